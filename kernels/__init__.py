@@ -1,0 +1,1 @@
+"""Triton kernels of sparsekv (installed as `sparsekv.kernels`); `reference.py` holds their torch specs."""

@@ -1,0 +1,155 @@
+"""The KV cache: preallocated K/V per layer plus the method's index state, updated as keys arrive.
+
+No torch.cat per step (that costs O(t) copies at long context): K/V are written in place into buffers sized for
+the whole run, as gpt-fast does. It is a transformers `Cache` so any HF model drives it; each `update` also
+tells the attention function (through `active_cache`) which cache and layer state the coming call belongs to,
+because transformers passes no cache to attention functions.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import SparseKVError
+from .methods.base import CacheShape, LayerState, Method
+from .rope import rope_tables, unrotate
+
+_ACTIVE: contextvars.ContextVar["SparseCache | None"] = contextvars.ContextVar("sparsekv_cache", default=None)
+
+
+def active_cache() -> "SparseCache | None":
+    return _ACTIVE.get()
+
+
+@dataclass
+class DecodeStats:
+    """Running totals of what sparse decode steps read, for selectivity and the result JSON."""
+
+    steps: int = 0  # (layer, step) pairs that went through a method's select
+    attended: float = 0.0  # keys attended, summed over those pairs (mean over heads)
+    available: float = 0.0  # keys in the cache, summed likewise
+    selected: float = 0.0
+    sink: float = 0.0
+    window: float = 0.0
+
+    def add(self, length: int, attended: int, selected: int, sink: int, window: int) -> None:
+        self.steps += 1
+        self.attended += attended
+        self.available += length
+        self.selected += selected
+        self.sink += sink
+        self.window += window
+
+    def summary(self) -> dict:
+        n = max(self.steps, 1)
+        return {
+            "sparse_steps": self.steps,
+            "selectivity": self.attended / self.available if self.available else 1.0,
+            "mean_attended": self.attended / n,
+            "mean_selected": self.selected / n,
+            "mean_sink": self.sink / n,
+            "mean_window": self.window / n,
+            "mean_context": self.available / n,
+        }
+
+
+class SparseLayer(CacheLayerMixin):
+    """One layer: K/V buffers [B, Hkv, max_len, D] and the method's state for this layer."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "SparseCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.length = 0
+        self.state: LayerState | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        c = self.cache
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.zeros(B, H, c.max_len, D, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(B, H, c.max_len, value_states.shape[-1], dtype=value_states.dtype,
+                                  device=value_states.device)
+        shape = CacheShape(B, H, c.q_heads, D, c.max_len, key_states.dtype, key_states.device)
+        self.state = c.method.new_state(self.layer_idx, shape)
+        self.state.keys, self.state.values, self.state.length = self.keys, self.values, 0
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, start = key_states.shape[2], self.length
+        if start + n > self.cache.max_len:
+            raise SparseKVError(
+                f"KV cache is full: {start} + {n} tokens exceed its {self.cache.max_len} slots (raise max_len)")
+        self.keys[:, :, start : start + n] = key_states
+        self.values[:, :, start : start + n] = value_states
+        self.length = self.state.length = start + n
+        if self.cache.indexes(self.layer_idx):
+            k_pre = self.cache.pre_rope(key_states, start) if self.cache.method.needs_pre_rope else None
+            self.cache.method.append(self.state, key_states, value_states, k_pre, start)
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.cache.max_len
+
+    def reset(self) -> None:
+        self.length = 0
+        self.is_initialized = False
+        self.keys = self.values = self.state = None
+
+
+class SparseCache(Cache):
+    """A cache whose layers hold preallocated K/V and the method state; pass it as `past_key_values`.
+
+    `dense_layers` are attended densely at every step (and not indexed); `rotary` (the model's rotary module) is
+    needed only by methods that index pre-RoPE keys or queries.
+    """
+
+    def __init__(self, method: Method, num_layers: int, q_heads: int, max_len: int,
+                 dense_layers: tuple[int, ...] | list[int] = (), rotary: torch.nn.Module | None = None):
+        if max_len <= 0:
+            raise SparseKVError(f"max_len must be positive, got {max_len}")
+        bad = [i for i in dense_layers if not 0 <= i < num_layers]
+        if bad:
+            raise SparseKVError(f"dense layer(s) {bad} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
+        if method.needs_pre_rope and rotary is None:
+            raise SparseKVError(f"method {method.name!r} needs the model's rotary module to recover pre-RoPE keys")
+        self.method, self.q_heads, self.max_len = method, q_heads, max_len
+        self.dense_layers = frozenset(dense_layers)
+        self.rotary = rotary
+        self.stats = DecodeStats()
+        # optional callable(layer_idx, query, keys, values, cache) run on every attention call (used by `dump`)
+        self.recorder = None
+        super().__init__(layers=[SparseLayer(self, i) for i in range(num_layers)])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        _ACTIVE.set(self)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def indexes(self, layer_idx: int) -> bool:
+        """Whether this layer runs the method (dense layers and the dense method keep no index)."""
+        return layer_idx not in self.dense_layers
+
+    def layer_state(self, layer_idx: int) -> LayerState:
+        return self.layers[layer_idx].state
+
+    def pre_rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate post-RoPE x [B, H, n, D] at positions [start, start + n) back to pre-RoPE."""
+        B, n = x.shape[0], x.shape[2]
+        pos = torch.arange(start, start + n, device=x.device).unsqueeze(0).expand(B, n)
+        cos, sin = rope_tables(self.rotary, x, pos)
+        return unrotate(x, cos, sin)

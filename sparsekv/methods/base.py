@@ -1,0 +1,110 @@
+"""The method interface: every method is a small class with the same life cycle (DESIGN.md, "The method interface").
+
+The cache, the attention function, eval and bench only ever call `new_state`, `append` and `select`, so they never
+branch on method names. A method implements its own maths and nothing the runtime already does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import SparseKVError
+from ..selection import BudgetSplit, Selection, split_budget
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a layer state is allocated for."""
+
+    batch: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+    max_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class LayerState:
+    """Per-layer state. The cache fills `keys`/`values` (its preallocated buffers) and keeps `length` current;
+    methods subclass this to hold their index (codes, hashes, segment means, ...)."""
+
+    keys: torch.Tensor | None = None  # [B, Hkv, max_len, D], valid up to `length`
+    values: torch.Tensor | None = None
+    length: int = 0
+
+
+class Method:
+    """Base of every method. Subclasses set `name`, defaults, and override what they need."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    default_sink: ClassVar[int] = 0
+    default_window: ClassVar[int] = 0
+    needs_pre_rope: ClassVar[bool] = False  # the cache un-rotates keys/queries only for methods that ask
+    needs_artifact: ClassVar[bool] = False
+
+    def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
+                 pooling: str = "group", **options: Any):
+        if options:
+            raise SparseKVError(f"method {self.name!r} has no option(s) {', '.join(sorted(options))}")
+        if budget <= 0:
+            raise SparseKVError(f"budget must be positive, got {budget}")
+        if pooling not in ("group", "head"):
+            raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
+        self.budget = budget
+        self.sink = self.default_sink if sink is None else int(sink)
+        self.window = self.default_window if window is None else int(window)
+        if self.sink < 0 or self.window < 0:
+            raise SparseKVError("sink and window must be >= 0")
+        self.pooling = pooling
+
+    # -- offline ---------------------------------------------------------------------------------------------
+    def fit(self, acts: Any, cfg: Any) -> Any:
+        """Offline stage; training-free methods have none."""
+        return None
+
+    # -- online ----------------------------------------------------------------------------------------------
+    def new_state(self, layer: int, shape: CacheShape) -> LayerState:
+        return LayerState()
+
+    def append(self, state: LayerState, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor | None,
+               pos: int) -> None:
+        """Index keys [B, Hkv, n, D] that were just written at positions [pos, pos + n)."""
+
+    def select(self, state: LayerState, q: torch.Tensor, q_pre_rope: torch.Tensor | None) -> Selection:
+        raise NotImplementedError
+
+    # -- shared helpers --------------------------------------------------------------------------------------
+    def split(self, length: int) -> BudgetSplit:
+        return split_budget(self.budget, self.sink, self.window, length)
+
+    def config(self) -> dict[str, Any]:
+        """Everything that defines the method's behaviour: recorded in every result and artifact."""
+        return {"method": self.name, "budget": self.budget, "sink": self.sink, "window": self.window,
+                "pooling": self.pooling}
+
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def method_names() -> list[str]:
+    from . import _load_all  # noqa: F401  (import side effect: every method registers itself)
+
+    return sorted(REGISTRY)
+
+
+def get_method(name: str, **cfg: Any) -> Method:
+    names = method_names()
+    if name not in REGISTRY:
+        raise SparseKVError(f"unknown method {name!r}; available: {', '.join(names)}")
+    return REGISTRY[name](**cfg)

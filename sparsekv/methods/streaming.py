@@ -1,0 +1,35 @@
+"""StreamingLLM (Xiao et al., ICLR 2024): attention sinks + a recent window, nothing else.
+
+Defaults follow the paper: 4 sink tokens; the window takes the rest of the budget.
+"""
+
+from ..errors import SparseKVError
+from ..selection import Selection, resolve_budget
+from .base import LayerState, Method, register
+
+
+@register
+class Streaming(Method):
+    name = "streaming"
+    summary = "sink tokens + recent window (StreamingLLM)"
+    default_sink = 4
+
+    def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
+                 pooling: str = "group", **options):
+        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
+        self.auto_window = window is None  # the window fills whatever the sink leaves of the budget
+
+    def select(self, state: LayerState, q, q_pre_rope) -> Selection:
+        n = state.length
+        b = resolve_budget(self.budget, n)
+        if b >= n:
+            return Selection(n, dense=True)
+        window = b - self.sink if self.auto_window else self.window
+        if window < 0 or self.sink + window > b:
+            raise SparseKVError(f"sink ({self.sink}) + window ({window}) exceed the budget ({b} tokens)")
+        return Selection(n, sink=self.sink, window=window)
+
+    def config(self):
+        cfg = super().config()
+        cfg["window"] = "budget - sink" if self.auto_window else self.window
+        return cfg

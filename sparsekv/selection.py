@@ -1,0 +1,132 @@
+"""What one decode step reads: the `Selection` every method returns, the budget split, and the shared top-k.
+
+A selection has a sparse part (token indices, fixed-size blocks, or CSR bucket lists) and a dense part (the first
+`sink` tokens and the last `window` tokens). The sparse part never overlaps the dense part: methods choose only
+among positions [sink, length - window), so the kernel can simply add the two without de-duplication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SparseKVError
+
+
+@dataclass
+class Selection:
+    """Keys to read for one decode step, per (batch row, selection head).
+
+    Selection heads are the KV heads (pooling "group": one choice per GQA group) or the query heads ("head").
+    Padding entries in `indices` / `blocks` / `buckets` are -1.
+    """
+
+    length: int  # valid keys in the cache
+    sink: int = 0  # dense part: positions [0, sink) ...
+    window: int = 0  # ... and [length - window, length)
+    dense: bool = False  # attend every key (budget >= context)
+    indices: torch.Tensor | None = None  # [B, H, k] token positions
+    blocks: torch.Tensor | None = None  # [B, H, nb] block ids, block b covers [b*block_size, (b+1)*block_size)
+    block_size: int = 0
+    buckets: torch.Tensor | None = None  # [B, H, nl] chosen bucket ids (CSR)
+    bucket_offsets: torch.Tensor | None = None  # [B, H, n_buckets + 1] CSR offsets into bucket_tokens
+    bucket_tokens: torch.Tensor | None = None  # [B, H, T] token positions grouped by bucket
+
+    @property
+    def n_selected(self) -> int:
+        """Sparse-part keys per selection head (padding counted out, averaged over rows and heads)."""
+        if self.dense:
+            return self.length - self.sink - self.window
+        return round(float(self.sparse_positions().ge(0).sum(-1).float().mean())) if self.has_sparse else 0
+
+    @property
+    def has_sparse(self) -> bool:
+        return self.indices is not None or self.blocks is not None or self.buckets is not None
+
+    def attended(self) -> int:
+        """Keys attended per selection head (sink + window + selected)."""
+        return self.length if self.dense else self.sink + self.window + self.n_selected
+
+    def sparse_positions(self) -> torch.Tensor:
+        """The sparse part as padded token positions [B, H, n] (-1 = none), whatever its form."""
+        if self.indices is not None:
+            return self.indices
+        if self.blocks is not None:
+            offs = torch.arange(self.block_size, device=self.blocks.device)
+            pos = self.blocks.unsqueeze(-1) * self.block_size + offs
+            hi = self.length - self.window  # blocks are clipped to the sparse region
+            pos = torch.where((self.blocks.unsqueeze(-1) >= 0) & (pos >= self.sink) & (pos < hi), pos, -1)
+            return pos.flatten(-2)
+        if self.buckets is not None:
+            return _csr_positions(self)
+        raise ValueError("selection has no sparse part")
+
+
+def _csr_positions(sel: Selection) -> torch.Tensor:
+    B, H, _ = sel.buckets.shape
+    rows = []
+    for b in range(B):
+        for h in range(H):
+            parts = [
+                sel.bucket_tokens[b, h, sel.bucket_offsets[b, h, i] : sel.bucket_offsets[b, h, i + 1]]
+                for i in sel.buckets[b, h].tolist()
+                if i >= 0
+            ]
+            rows.append(torch.cat(parts) if parts else sel.buckets.new_empty(0))
+    n = max((r.numel() for r in rows), default=0)
+    out = sel.buckets.new_full((B * H, n), -1)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out.view(B, H, n)
+
+
+def resolve_budget(budget: float, length: int) -> int:
+    """`--budget` is a token count (>= 1) or a fraction (0, 1) of the context; the result is a token count."""
+    if budget <= 0:
+        raise SparseKVError(f"budget must be positive, got {budget}")
+    if budget < 1:
+        return max(1, int(round(budget * length)))
+    if budget != int(budget):
+        raise SparseKVError(f"budget {budget} is neither a whole token count nor a fraction below 1")
+    return int(budget)
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """How one step's budget is spent: `sink` + `window` dense tokens, `k` chosen from the rest."""
+
+    sink: int
+    window: int
+    k: int
+    dense: bool
+
+
+def split_budget(budget: float, sink: int, window: int, length: int) -> BudgetSplit:
+    """Carve sink and window out of the budget (as Quest/Adamas count it), clipped to the current context."""
+    b = resolve_budget(budget, length)
+    if b >= length:
+        return BudgetSplit(0, 0, 0, dense=True)
+    if sink + window > b:
+        raise SparseKVError(f"sink ({sink}) + window ({window}) exceed the budget ({b} tokens)")
+    return BudgetSplit(sink, window, b - sink - window, dense=False)
+
+
+def pool_scores(scores: torch.Tensor, n_kv_heads: int, pooling: str, reduce: str = "sum") -> torch.Tensor:
+    """[B, Hq, L] scores -> [B, H, L]: one row per KV head (pooled over its query group) or per query head."""
+    if pooling == "head":
+        return scores
+    if pooling != "group":
+        raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
+    B, Hq, L = scores.shape
+    grouped = scores.view(B, n_kv_heads, Hq // n_kv_heads, L)
+    return grouped.amax(2) if reduce == "max" else grouped.sum(2)
+
+
+def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Selection:
+    """Top-k of `scores` [B, H, length - sink - window] (higher is better) over the middle region."""
+    k = min(split.k, scores.shape[-1])
+    if k <= 0:
+        return Selection(length, split.sink, split.window)
+    top = torch.topk(scores.float(), k, dim=-1, sorted=False).indices
+    return Selection(length, split.sink, split.window, indices=top + split.sink)

@@ -1,0 +1,39 @@
+"""The one attention call for a decode step over a `Selection` (and the dense path beside it).
+
+Every method ends here. The Triton kernel family slots in behind `sparse_decode`; on the CPU (and until a kernel
+covers a selection's form) the torch reference runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparsekv.kernels.reference import sparse_decode_reference
+
+from .selection import Selection
+
+
+def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection,
+                  scale: float) -> torch.Tensor:
+    """q [B, Hq, 1, D] against the keys `sel` names -> [B, Hq, 1, D]."""
+    if sel.dense:
+        L = sel.length
+        return dense_attention(q, keys[:, :, :L], values[:, :, :L], scale)
+    return sparse_decode_reference(q, keys, values, sel, scale)
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact causal attention of q [B, Hq, n, D] over keys [B, Hkv, L, D] where q holds the last n positions.
+
+    GQA goes through SDPA's native grouping, so each KV head is read once for its group (no repeat_interleave).
+    """
+    n, L = q.shape[2], keys.shape[2]
+    gqa = q.shape[1] != keys.shape[1]
+    if mask is None and n > 1:
+        if n == L:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        # queries sit at the end of the sequence: query i sees keys up to L - n + i
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,22 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on the CPU (must be set before any kernel module is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The in-memory random Llama: 2 layers, 6 query / 2 KV heads (GQA 3), head dim 20."""
+    from sparsekv.models import load_model
+
+    return load_model("tiny-random")
+
+
+@pytest.fixture
+def prompt_ids():
+    return torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,53 @@
+"""Every bad input gives one clear line on stderr and a non-zero exit; a good eval writes its JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def sparsekv(*args):
+    return subprocess.run([sys.executable, "-m", "sparsekv.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--model", "tiny-random", "--method", "bogus"], "unknown method 'bogus'"),
+    (["eval", "--model", "tiny-random", "--task", "bogus"], "unknown task 'bogus'"),
+    (["eval", "--model", "tiny-random", "--method", "oracle", "--budget", "0", "--seq", "300"], "budget must be positive"),
+    (["eval", "--model", "tiny-random", "--method", "oracle", "--budget", "400", "--seq", "300"],
+     "larger than the context"),
+    (["eval", "--model", "tiny-random", "--seq", "5000", "--n", "1"], "longer than tiny-random"),
+    (["eval", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["generate", "--model", "tiny-random", "--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
+    (["dump", "--model", "tiny-random", "--text-file", "/nonexistent/t.txt", "--out", "/tmp/sparsekv-x-out"],
+     "not found"),
+    (["artifacts", "verify", "/nonexistent/artifact"], "manifest"),
+])
+def test_bad_input_is_one_clear_line(args, message):
+    r = sparsekv(*args)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert lines and message in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_eval_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    r = sparsekv("eval", "--model", "tiny-random", "--method", "oracle,dense", "--budget", "16", "--seq", "300",
+                 "--n", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [x["method"] for x in rows] == ["oracle", "dense"]
+    assert rows[0]["budget"] == 16 and rows[0]["selectivity"] < 0.1 and rows[1]["selectivity"] == 1.0
+    assert "oracle" in r.stdout and "dense" in r.stdout
+
+
+def test_generate_runs(tmp_path):
+    out = tmp_path / "g.json"
+    r = sparsekv("generate", "--model", "tiny-random", "--prompt", "hello there", "--method", "streaming",
+                 "--budget", "8", "--max-new-tokens", "5", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    g = json.loads(out.read_text())
+    assert len(g["tokens"]) == 5 and g["method_config"]["method"] == "streaming"

@@ -1,0 +1,87 @@
+"""The sparsekv cache + attention function against transformers' own eager attention, and the methods' limits."""
+
+import pytest
+import torch
+
+from sparsekv.decode import generate
+from sparsekv.methods import get_method
+
+
+def _eager(lm, ids, steps):
+    lm.model.set_attn_implementation("eager")
+    try:
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                                output_scores=True,
+                                return_dict_in_generate=True, eos_token_id=None, pad_token_id=256)
+    finally:
+        lm.model.set_attn_implementation("sparsekv")
+    return out.sequences[0, ids.shape[1]:].tolist(), [s[0] for s in out.scores]
+
+
+def test_dense_matches_eager(tiny, prompt_ids):
+    assert tiny.q_heads != tiny.kv_heads and tiny.head_dim & (tiny.head_dim - 1)  # GQA, non-power-of-two dim
+    tokens, scores = _eager(tiny, prompt_ids, 12)
+    g = generate(tiny, prompt_ids, get_method("dense"), 12, stop_on_eos=False, keep_logits=True)
+    assert g.tokens == tokens
+    for ours, theirs in zip(g.logits, scores):
+        torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_matches_single_prefill(tiny, prompt_ids):
+    a = generate(tiny, prompt_ids, get_method("dense"), 6, stop_on_eos=False, keep_logits=True)
+    b = generate(tiny, prompt_ids, get_method("dense"), 6, stop_on_eos=False, keep_logits=True, prefill_chunk=64)
+    assert a.tokens == b.tokens
+    torch.testing.assert_close(a.logits[0], b.logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["group", "head"])
+def test_oracle_with_full_budget_equals_dense(tiny, prompt_ids, pooling):
+    dense = generate(tiny, prompt_ids, get_method("dense"), 8, stop_on_eos=False, keep_logits=True)
+    # budget == final context: the last step is dense, every earlier one selects all but a few keys ...
+    n = prompt_ids.shape[1] + 8
+    full = generate(tiny, prompt_ids, get_method("oracle", budget=n, pooling=pooling), 8, stop_on_eos=False,
+                    keep_logits=True)
+    assert full.tokens == dense.tokens
+    for a, b in zip(full.logits, dense.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert full.stats["selectivity"] == pytest.approx(1.0)
+
+
+def test_oracle_exact_topk_keeps_all_when_budget_covers_every_key(tiny, prompt_ids):
+    """Budget = context - 0 on the sparse path: the oracle selects every key, so output equals dense exactly."""
+    dense = generate(tiny, prompt_ids, get_method("dense"), 3, stop_on_eos=False, keep_logits=True)
+    # force the sparse path with a budget that covers all but the sink/window split: sink + window + k = length
+    m = get_method("oracle", budget=prompt_ids.shape[1] + 2, sink=4, window=8)
+    g = generate(tiny, prompt_ids, m, 3, stop_on_eos=False, keep_logits=True)
+    for a, b in zip(g.logits, dense.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_small_budget_changes_the_output(tiny, prompt_ids):
+    """The sparse path is really taken: with 8 keys the logits move away from dense."""
+    dense = generate(tiny, prompt_ids, get_method("dense"), 2, stop_on_eos=False, keep_logits=True)
+    for name in ("oracle", "streaming"):
+        g = generate(tiny, prompt_ids, get_method(name, budget=8), 2, stop_on_eos=False, keep_logits=True)
+        assert (g.logits[1] - dense.logits[1]).abs().max() > 1e-3
+        assert g.stats["mean_attended"] == pytest.approx(8)
+        assert g.stats["sparse_steps"] == tiny.num_layers  # one sparse step per layer (2 tokens: 1 decode step)
+
+
+def test_dense_layers_are_not_sparse(tiny, prompt_ids):
+    g = generate(tiny, prompt_ids, get_method("oracle", budget=8), 3, stop_on_eos=False, dense_layers=(0,))
+    assert g.stats["sparse_steps"] == 2  # 2 decode steps x 1 sparse layer
+    g_all = generate(tiny, prompt_ids, get_method("oracle", budget=8), 3, stop_on_eos=False,
+                     dense_layers=(0, 1))
+    dense = generate(tiny, prompt_ids, get_method("dense"), 3, stop_on_eos=False)
+    assert g_all.tokens == dense.tokens and g_all.stats["sparse_steps"] == 0
+
+
+def test_cache_overflow_and_bad_dense_layer_are_clear_errors(tiny, prompt_ids):
+    from sparsekv.cache import SparseCache
+    from sparsekv.errors import SparseKVError
+
+    with pytest.raises(SparseKVError, match="out of range"):
+        SparseCache(get_method("dense"), tiny.num_layers, tiny.q_heads, 10, dense_layers=(5,))
+    cache = SparseCache(get_method("dense"), tiny.num_layers, tiny.q_heads, 10)
+    with pytest.raises(SparseKVError, match="cache is full"):
+        tiny.model(input_ids=prompt_ids[:, :20], past_key_values=cache)
