@@ -97,7 +97,7 @@ def _results_table(results: list[dict], title: str) -> Table:
 
 def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: list[int], n: int, seed: int,
               dense_layers: tuple[int, ...], options: dict) -> list[dict]:
-    from .eval.runner import TASKS, RunSpec, check_budget, check_task, run_task
+    from .eval.runner import RunSpec, check_budget, check_task, run_grid
     from .methods import method_names
 
     check_task(task)
@@ -105,21 +105,18 @@ def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: lis
     for m in methods:
         if m not in known:
             raise SparseKVError(f"unknown method {m!r}; available: {', '.join(known)}")
-    cells = [(m, None if m == "dense" else b, L) for L in seqs for m in methods
+    specs = [RunSpec(m, b, {} if m == "dense" else options) for m in methods
              for b in ([None] if m == "dense" else budgets)]
-    for m, b, L in cells:  # validate the whole grid before spending minutes on its first cell
-        if b is not None:
-            check_budget(b, L)
+    for L in seqs:  # validate the whole grid before spending minutes on its first cell
+        for sp in specs:
+            if sp.budget is not None:
+                check_budget(sp.budget, L)
     results = []
     with _progress() as progress:
-        bar = progress.add_task(f"{task}", total=len(cells) * n)
+        bar = progress.add_task(task, total=len(seqs) * n * len(specs))
         for L in seqs:
-            samples = TASKS[task](lm.tokenizer, L, n, seed)
-            for m, b, L2 in [c for c in cells if c[2] == L]:
-                progress.update(bar, description=f"{task} {m} budget={b if b is not None else '-'} seq={L}")
-                opts = {} if m == "dense" else options
-                results.append(run_task(lm, task, RunSpec(m, b, opts), L, n, seed, dense_layers, samples,
-                                        on_sample=lambda: progress.advance(bar)))
+            progress.update(bar, description=f"{task} seq={L}: {len(specs)} method/budget cells")
+            results += run_grid(lm, task, specs, L, n, seed, dense_layers, on_sample=lambda: progress.advance(bar))
     return results
 
 

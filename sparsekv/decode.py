@@ -27,30 +27,70 @@ class Generation:
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
 
 
+@dataclass
+class Prefill:
+    """A dense prefill, kept so several methods can decode from it without paying for it again (prefill is
+    dense whatever the method, so the K/V are identical; each method indexes them on `load`)."""
+
+    ids: torch.Tensor  # [1, n]
+    keys: list[torch.Tensor]  # per layer [1, Hkv, n, D]
+    values: list[torch.Tensor]
+    logits: torch.Tensor  # [1, vocab] at the last prompt position
+
+
 def make_cache(lm: LoadedModel, method: Method, max_len: int, dense_layers=()) -> SparseCache:
     rotary = find_rotary(lm.model) if method.needs_pre_rope else None
     return SparseCache(method, lm.num_layers, lm.q_heads, max_len, dense_layers=dense_layers, rotary=rotary)
 
 
-@torch.no_grad()
-def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int], method: Method, max_new_tokens: int,
-             dense_layers=(), stop_on_eos: bool = True, keep_logits: bool = False,
-             prefill_chunk: int | None = None) -> Generation:
-    """Greedy decode `max_new_tokens` after a dense prefill of `input_ids` (batch 1)."""
+def _prompt(lm: LoadedModel, input_ids, max_new_tokens: int) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long).view(1, -1).to(lm.device)
-    n = ids.shape[1]
-    if n == 0:
+    if ids.shape[1] == 0:
         raise SparseKVError("empty prompt")
-    if lm.max_context and n + max_new_tokens > lm.max_context:
-        raise SparseKVError(f"prompt ({n} tokens) + {max_new_tokens} new tokens exceed the model's context "
-                            f"({lm.max_context} tokens)")
-    cache = make_cache(lm, method, n + max_new_tokens, dense_layers)
-    chunk = prefill_chunk or n
+    if lm.max_context and ids.shape[1] + max_new_tokens > lm.max_context:
+        raise SparseKVError(f"prompt ({ids.shape[1]} tokens) + {max_new_tokens} new tokens exceed the model's "
+                            f"context ({lm.max_context} tokens)")
+    return ids
+
+
+def _run_prefill(lm: LoadedModel, ids: torch.Tensor, cache: SparseCache, chunk: int | None) -> torch.Tensor:
+    n = ids.shape[1]
+    chunk = chunk or n
     for s in range(0, n, chunk):
         part = ids[:, s : s + chunk]
         pos = torch.arange(s, s + part.shape[1], device=ids.device).unsqueeze(0)
         logits = lm.model(input_ids=part, past_key_values=cache, position_ids=pos, use_cache=True,
                           logits_to_keep=1).logits[:, -1]
+    return logits
+
+
+@torch.no_grad()
+def prefill(lm: LoadedModel, input_ids, prefill_chunk: int | None = None) -> Prefill:
+    """Dense prefill of a prompt, reusable by `generate(..., prefilled=...)` for any number of methods."""
+    from .methods import get_method
+
+    ids = _prompt(lm, input_ids, 0)
+    cache = make_cache(lm, get_method("dense"), ids.shape[1])
+    logits = _run_prefill(lm, ids, cache, prefill_chunk)
+    n = ids.shape[1]
+    return Prefill(ids, [layer.keys[:, :, :n] for layer in cache.layers],
+                   [layer.values[:, :, :n] for layer in cache.layers], logits)
+
+
+@torch.no_grad()
+def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method: Method, max_new_tokens: int,
+             dense_layers=(), stop_on_eos: bool = True, keep_logits: bool = False,
+             prefill_chunk: int | None = None, prefilled: Prefill | None = None) -> Generation:
+    """Greedy decode `max_new_tokens` after a dense prefill of `input_ids` (batch 1), or from `prefilled`."""
+    ids = _prompt(lm, prefilled.ids if prefilled is not None else input_ids, max_new_tokens)
+    n = ids.shape[1]
+    cache = make_cache(lm, method, n + max_new_tokens, dense_layers)
+    if prefilled is None:
+        logits = _run_prefill(lm, ids, cache, prefill_chunk)
+    else:  # load the shared prefill: each layer's update indexes it exactly as a prefill would
+        for i, (k, v) in enumerate(zip(prefilled.keys, prefilled.values)):
+            cache.update(k, v, i)
+        logits = prefilled.logits
     eos = _eos_ids(lm) if stop_on_eos else set()
     out, kept = [], []
     for step in range(max_new_tokens):

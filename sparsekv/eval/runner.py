@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import __version__
-from ..decode import generate
+from ..decode import generate, prefill
 from ..errors import SparseKVError
 from ..methods import get_method, method_names
 from ..models import LoadedModel
@@ -56,23 +56,45 @@ def check_seq(lm: LoadedModel, seq_len: int, gen_tokens: int) -> None:
 def run_task(lm: LoadedModel, task: str, spec: RunSpec, seq_len: int, n: int, seed: int = 42,
              dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None) -> dict:
     """One (method, budget, seq_len) cell: n samples of `task`, scored. Returns the result dict (JSON-ready)."""
+    return run_grid(lm, task, [spec], seq_len, n, seed, dense_layers, samples, on_sample)[0]
+
+
+def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: int, seed: int = 42,
+             dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None) -> list[dict]:
+    """Several methods/budgets at one length. Sample-major: each prompt is prefilled once (prefill is dense
+    whatever the method) and every method decodes from that prefill."""
     check_task(task)
-    if spec.method not in method_names():
-        raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(method_names())}")
-    if spec.budget is not None:
-        check_budget(spec.budget, seq_len)
+    known = method_names()
+    for spec in specs:
+        if spec.method not in known:
+            raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(known)}")
+        if spec.budget is not None:
+            check_budget(spec.budget, seq_len)
     samples = samples if samples is not None else TASKS[task](lm.tokenizer, seq_len, n, seed)
     check_seq(lm, max(len(s.ids) for s in samples), max(s.max_new_tokens for s in samples))
-    method = get_method(spec.method, budget=spec.budget or 1.0, **spec.method_options)
+    methods = [get_method(sp.method, budget=sp.budget or 1.0, **sp.method_options) for sp in specs]
     scorer = SCORERS[task]
-    rows, totals, t0 = [], [], time.perf_counter()
+    rows: list[list[dict]] = [[] for _ in specs]
+    stats: list[list[dict]] = [[] for _ in specs]
+    seconds = [0.0] * len(specs)
     for s in samples:
-        g = generate(lm, s.ids, method, s.max_new_tokens, dense_layers=dense_layers)
-        rows.append({"depth": s.depth, "answer": s.answer, "prediction": g.text, "score": scorer(g.text, s.answer),
-                     "prompt_tokens": g.prompt_tokens})
-        totals.append(g.stats)
-        if on_sample:
-            on_sample()
+        t0 = time.perf_counter()
+        pf = prefill(lm, s.ids)
+        shared = (time.perf_counter() - t0) / len(specs)  # prefill time, split evenly over the cells
+        for i, method in enumerate(methods):
+            t1 = time.perf_counter()
+            g = generate(lm, None, method, s.max_new_tokens, dense_layers=dense_layers, prefilled=pf)
+            seconds[i] += time.perf_counter() - t1 + shared
+            rows[i].append({"depth": s.depth, "answer": s.answer, "prediction": g.text,
+                            "score": scorer(g.text, s.answer), "prompt_tokens": g.prompt_tokens})
+            stats[i].append(g.stats)
+            if on_sample:
+                on_sample()
+    return [_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec)
+            for spec, m, r, st, sec in zip(specs, methods, rows, stats, seconds)]
+
+
+def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, totals, seconds) -> dict:
     steps = sum(t["sparse_steps"] for t in totals)
 
     def mean_stat(key: str) -> float | None:
@@ -83,12 +105,11 @@ def run_task(lm: LoadedModel, task: str, spec: RunSpec, seq_len: int, n: int, se
     per_depth: dict[float, list[float]] = {}
     for r in rows:
         per_depth.setdefault(round(r["depth"], 4), []).append(r["score"])
-    score = 100.0 * sum(r["score"] for r in rows) / len(rows)
     sel = mean_stat("selectivity")
     return {
         "task": task,
         "metric": METRICS[task],
-        "score": score,
+        "score": 100.0 * sum(r["score"] for r in rows) / len(rows),
         "method": spec.method,
         "method_config": method.config(),
         "budget": spec.budget,
@@ -109,7 +130,7 @@ def run_task(lm: LoadedModel, task: str, spec: RunSpec, seq_len: int, n: int, se
         "seed": seed,
         "protocol": PROTOCOL,
         "device": str(lm.device),
-        "seconds": round(time.perf_counter() - t0, 2),
+        "seconds": round(seconds, 2),
         "sparsekv_version": __version__,
         "samples": rows,
     }
