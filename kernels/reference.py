@@ -10,43 +10,59 @@ import torch
 from sparsekv.selection import Selection
 
 
-def selection_positions(sel: Selection) -> torch.Tensor:
-    """All positions a selection reads, [B, H, n] int64 with -1 for padding: sink, then sparse part, then window."""
+def row_lengths(sel: Selection, batch: int, lengths: torch.Tensor | None, device) -> torch.Tensor:
+    """Valid keys per batch row [B] int64: `lengths` when rows differ, else the selection's length."""
+    if lengths is None:
+        return torch.full((batch,), sel.length, dtype=torch.long, device=device)
+    return torch.as_tensor(lengths, device=device).long().view(batch)
+
+
+def selection_positions(sel: Selection, batch: int, heads: int, lengths: torch.Tensor | None = None,
+                        device=None) -> torch.Tensor:
+    """Every position one decode step reads, [B, H, n] int64, -1 where a slot reads nothing.
+
+    Slot order is the kernels' too: sink, then the sparse part, then the window. With per-row `lengths` the
+    window ends at each row's own length, and slots at or past it read nothing.
+    """
+    L = row_lengths(sel, batch, lengths, device).view(batch, 1, 1)
     if sel.dense:
-        raise ValueError("a dense selection has no position list")
-    ref = sel.sparse_positions() if sel.has_sparse else None
-    if ref is None and sel.sink + sel.window == 0:
-        raise ValueError("empty selection: no sink, no window and no sparse part")
-    device = ref.device if ref is not None else None
-    parts = []
-    if sel.sink:
-        parts.append(torch.arange(sel.sink, device=device))
-    if sel.window:
-        parts.append(torch.arange(sel.length - sel.window, sel.length, device=device))
-    dense = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
-    if ref is None:
-        return dense.view(1, 1, -1)
-    B, H, _ = ref.shape
-    return torch.cat([dense.view(1, 1, -1).expand(B, H, -1), ref], dim=-1)
+        pos = torch.arange(int(L.max()), device=device).view(1, 1, -1).expand(batch, heads, -1)
+        return torch.where(pos < L, pos, -1)
+    sink = torch.arange(sel.sink, device=device).view(1, 1, -1).expand(batch, heads, -1)
+    win = L - sel.window + torch.arange(sel.window, device=device).view(1, 1, -1)
+    win = torch.where(win >= sel.sink, win, -1).expand(batch, heads, -1)  # a short row: no re-read of sink keys
+    parts = [sink]
+    if sel.has_sparse:
+        parts.append(sel.sparse_positions().to(device).long().expand(batch, heads, -1))
+    parts.append(win)
+    pos = torch.cat(parts, dim=-1)
+    return torch.where((pos >= 0) & (pos < L), pos, -1)
+
+
+def check_selection(sel: Selection, batch: int, heads: int, lengths: torch.Tensor | None = None) -> None:
+    """Reject what the kernels assume away: duplicate positions (a key would count twice in the softmax) and
+    sparse positions inside the dense part. Costs a sort and a host sync: for tests and debugging."""
+    parts = [t for t in (sel.indices, sel.blocks, sel.buckets) if t is not None]
+    pos = selection_positions(sel, batch, heads, lengths, device=parts[0].device if parts else None)
+    srt = pos.sort(-1).values
+    dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    if bool(dup.any()):
+        raise ValueError("selection has duplicate positions (a key would be attended twice)")
 
 
 def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection,
-                            scale: float) -> torch.Tensor:
+                            scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of attention over the keys a selection names.
 
-    q: [B, Hq, 1, D]; keys/values: [B, Hkv, >= sel.length, D]; returns [B, Hq, 1, D] in q's dtype.
-    The selection has one row per KV head (GQA group shares it) or one per query head.
+    q: [B, Hq, 1, D]; keys/values: [B, Hkv, >= length, D]; returns [B, Hq, 1, D] in q's dtype.
+    The selection has one row per KV head (GQA group shares it) or one per query head; `lengths` [B] gives
+    each row's valid length when rows differ.
     """
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
-    if sel.dense:
-        pos = torch.arange(sel.length, device=q.device).view(1, 1, -1).expand(B, Hkv, -1)
-    else:
-        pos = selection_positions(sel).to(q.device)
-        if not sel.has_sparse:  # dense part only: the same positions for every head
-            pos = pos.expand(B, Hkv, -1)
-    Hs = pos.shape[1]
+    Hs = sel.heads(Hkv)
+    pos = selection_positions(sel, B, Hs, lengths, device=q.device)
     if Hs == Hkv:  # one key set per group: q rows of a group share it
         qs = q.float().view(B, Hkv, G, D)
         kv_head = torch.arange(Hkv, device=q.device)
@@ -62,6 +78,6 @@ def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     v_sel = values[b_idx, kv_head.view(1, -1, 1), idx].float()
     logits = torch.einsum("bhgd,bhnd->bhgn", qs, k_sel) * scale
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row that reads no key comes out as zeros
     out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)
     return out.reshape(B, Hq, 1, D).to(q.dtype)

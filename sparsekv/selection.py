@@ -44,6 +44,13 @@ class Selection:
     def has_sparse(self) -> bool:
         return self.indices is not None or self.blocks is not None or self.buckets is not None
 
+    def heads(self, kv_heads: int) -> int:
+        """Selection heads: the sparse part's head count, else (dense part only) one per KV head."""
+        for t in (self.indices, self.blocks, self.buckets):
+            if t is not None:
+                return t.shape[1]
+        return kv_heads
+
     def attended(self) -> int:
         """Keys attended per selection head (sink + window + selected)."""
         return self.length if self.dense else self.sink + self.window + self.n_selected

@@ -1,10 +1,13 @@
 """The one attention call for a decode step over a `Selection` (and the dense path beside it).
 
-Every method ends here. The Triton kernel family slots in behind `sparse_decode`; on the CPU (and until a kernel
-covers a selection's form) the torch reference runs.
+Every method ends here. On a GPU the Triton kernel family (`sparsekv.kernels.sparse_decode`) runs; on the CPU the
+torch reference does (the kernels also run there under TRITON_INTERPRET=1, which the tests use, but far slower).
+SPARSEKV_KERNELS=0 forces the reference everywhere, =1 forces the kernels.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,18 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
     if sel.dense:
         L = sel.length
         return dense_attention(q, keys[:, :, :L], values[:, :, :L], scale)
+    if use_kernels(q.device):
+        from sparsekv.kernels.sparse_decode import sparse_decode as kernel
+
+        return kernel(q, keys, values, sel, scale)
     return sparse_decode_reference(q, keys, values, sel, scale)
+
+
+def use_kernels(device: torch.device) -> bool:
+    flag = os.environ.get("SPARSEKV_KERNELS", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return device.type == "cuda"
 
 
 def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,

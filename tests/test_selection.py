@@ -46,7 +46,7 @@ def test_streaming_attends_exactly_sink_and_window(G):
     q = torch.randn(B, Hkv * G, 1, D)
     sel = get_method("streaming", budget=24, sink=4).select(st, q, None)
     assert (sel.sink, sel.window) == (4, 20)
-    assert set(selection_positions(sel).flatten().tolist()) == set(range(4)) | set(range(L - 20, L))
+    assert set(selection_positions(sel, B, Hkv).flatten().tolist()) == set(range(4)) | set(range(L - 20, L))
     allowed = torch.zeros(B, Hkv * G, L, dtype=torch.bool)
     allowed[..., :4] = True
     allowed[..., L - 20 :] = True

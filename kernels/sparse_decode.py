@@ -1,0 +1,225 @@
+"""Sparse decode (and dense flash-decoding) in Triton: one kernel family for every method's selection.
+
+A decode step reads a list of *slots*: the sink, then the sparse part, then the recent window. Each program
+takes one chunk of slots for one selection head (a KV head and its whole GQA group, or one query head), maps
+slots to key positions (dense / token indices / fixed-size blocks), reads each key and value once for every
+query row that shares it, and keeps an online-softmax partial state (max, sum, acc). A second small kernel
+merges the partial states of the chunks: flash-decoding's split-K, which spreads a long sequence (or a short
+selection over few heads) across all SMs.
+
+Reference: `kernels/reference.py::sparse_decode_reference` (same arguments, plain torch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.selection import Selection
+
+from .reference import check_selection
+
+MODE_DENSE, MODE_INDICES, MODE_BLOCKS = 0, 1, 2
+_NEG = -1.0e30  # "minus infinity" that keeps exp(x - m) finite for chunks that read nothing
+
+
+@triton.jit
+def _partial_kernel(
+    Q, K, V, IDX, LENS, M_out, L_out, ACC_out,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ib, stride_ih,
+    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, block_size, chunk,
+    MODE: tl.constexpr, PREC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_sel_heads
+    hs = bh % n_sel_heads
+    kv = hs // (G // group_rows)  # the KV head of this selection head
+    q_head0 = hs * group_rows  # first query row served by this program
+    length = tl.load(LENS + b)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < group_rows
+    d_ok = d < D
+    q = tl.load(Q + b * stride_qb + (q_head0 + g)[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    if MODE == 0:
+        n_slots = length
+    else:
+        n_slots = sink + n_sparse + window
+    start = c * chunk
+    stop = tl.minimum(start + chunk, n_slots)
+    k_base = K + b * stride_kb + kv * stride_kh
+    v_base = V + b * stride_vb + kv * stride_vh
+    for s0 in range(start, stop, BLOCK_N):
+        t = s0 + tl.arange(0, BLOCK_N)
+        in_range = t < stop
+        if MODE == 0:
+            pos = t
+            ok = in_range
+        else:
+            is_sink = t < sink
+            is_win = t >= sink + n_sparse
+            j = t - sink
+            if MODE == 1:
+                sp = tl.load(IDX + b * stride_ib + hs * stride_ih + j, mask=in_range & ~is_sink & ~is_win, other=-1)
+            else:
+                blk = tl.load(IDX + b * stride_ib + hs * stride_ih + j // block_size,
+                              mask=in_range & ~is_sink & ~is_win, other=-1)
+                sp = tl.where(blk >= 0, blk * block_size + j % block_size, -1)
+                sp = tl.where((sp >= sink) & (sp < length - window), sp, -1)  # blocks are clipped to the middle
+            wp = length - window + (t - sink - n_sparse)
+            pos = tl.where(is_sink, t, tl.where(is_win, wp, sp))
+            ok = in_range & (pos >= 0) & (pos < length) & (is_sink | ~is_win | (wp >= sink))
+        pos = tl.where(ok, pos, 0)
+        k = tl.load(k_base + pos[:, None] * stride_kn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + pos[:, None] * stride_vn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
+        m_i = m_new
+
+    n_chunks = tl.num_programs(0)
+    row = (b * (n_sel_heads * group_rows) + q_head0 + g) * n_chunks + c
+    tl.store(M_out + row, m_i, mask=g_ok)
+    tl.store(L_out + row, l_i, mask=g_ok)
+    tl.store(ACC_out + row[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(M_in, L_in, ACC_in, OUT, stride_ob, stride_oh, Hq, n_chunks,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)  # one (batch, query head) row
+    b = r // Hq
+    h = r % Hq
+    cc = tl.arange(0, BLOCK_C)
+    d = tl.arange(0, BLOCK_D)
+    c_ok = cc < n_chunks
+    m = tl.load(M_in + r * n_chunks + cc, mask=c_ok, other=_NEG)
+    l = tl.load(L_in + r * n_chunks + cc, mask=c_ok, other=0.0)
+    acc = tl.load(ACC_in + (r * n_chunks + cc)[:, None] * BLOCK_D + d[None, :], mask=c_ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.exp(m - m_all)
+    den = tl.sum(w * l, 0)
+    den = tl.where(den > 0, den, 1.0)  # a row that read no key (empty selection) comes out as zeros
+    out = tl.sum(acc * w[:, None], 0) / den
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: few chunks keep it fast
+
+
+def _plan(n_slots: int, programs_per_chunk: int, device: torch.device, block_n: int) -> tuple[int, int]:
+    """(chunk, n_chunks): enough chunks that about two programs run per SM, each at least one tile long."""
+    sms = _num_sms(device)
+    want = max(1, (2 * sms + programs_per_chunk - 1) // programs_per_chunk)
+    chunk = max(block_n, triton.cdiv(triton.cdiv(max(n_slots, 1), want), block_n) * block_n)
+    return chunk, triton.cdiv(max(n_slots, 1), chunk)
+
+
+def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection, scale: float,
+                  lengths: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
+    """q [B, Hq, 1, D] over the keys `sel` names -> [B, Hq, 1, D]. Same contract as sparse_decode_reference.
+
+    `lengths` [B] (int) gives per-row valid lengths when batch rows differ; `check=True` rejects duplicate
+    positions first (a host sync: for tests and debugging).
+    """
+    B, Hq, _, D = q.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    if sel.buckets is not None:  # CSR: expand the chosen buckets to token indices, then the index path
+        sel = Selection(sel.length, sel.sink, sel.window, indices=csr_to_indices(sel))
+    Hs = sel.heads(Hkv)
+    if Hs not in (Hkv, Hq):
+        raise ValueError(f"selection has {Hs} heads; expected {Hkv} (KV heads) or {Hq} (query heads)")
+    if check:
+        check_selection(sel, B, Hs, lengths)
+    group_rows = G if Hs == Hkv else 1
+    lens = (torch.full((B,), sel.length, dtype=torch.int32, device=q.device) if lengths is None
+            else lengths.to(device=q.device, dtype=torch.int32))
+    if sel.dense:
+        mode, idx, n_sparse, n_slots, block_size = MODE_DENSE, lens, 0, keys.shape[2] if lengths is not None \
+            else sel.length, 1
+        sink = window = 0
+    elif sel.blocks is not None:
+        mode, idx, block_size = MODE_BLOCKS, sel.blocks, sel.block_size
+        n_sparse = sel.blocks.shape[-1] * block_size
+        sink, window = sel.sink, sel.window
+        n_slots = sink + n_sparse + window
+    else:
+        mode, block_size = MODE_INDICES, 1
+        idx = sel.indices if sel.indices is not None else lens.new_full((B, Hs, 1), -1)
+        n_sparse = idx.shape[-1] if sel.indices is not None else 0
+        sink, window = sel.sink, sel.window
+        n_slots = sink + n_sparse + window
+    if idx.dim() == 3 and idx.shape[0] != B:
+        idx = idx.expand(B, -1, -1)
+    BLOCK_N = 64 if D <= 128 else 32
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_G = max(16, triton.next_power_of_2(group_rows))  # tl.dot needs at least 16 rows
+    chunk, n_chunks = _plan(n_slots, B * Hs, q.device, BLOCK_N)
+    rows = B * Hq * n_chunks
+    m = torch.empty(rows, dtype=torch.float32, device=q.device)
+    l = torch.empty(rows, dtype=torch.float32, device=q.device)
+    acc = torch.empty(rows, BLOCK_D, dtype=torch.float32, device=q.device)
+    qc = q.reshape(B, Hq, D)
+    if qc.stride(-1) != 1:
+        qc = qc.contiguous()
+    sib, sih = (idx.stride(0), idx.stride(1)) if idx.dim() == 3 else (0, 0)
+    _partial_kernel[(n_chunks, B * Hs)](
+        qc, keys, values, idx, lens, m, l, acc,
+        qc.stride(0), qc.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), sib, sih,
+        scale, Hs, G, group_rows, sink, n_sparse, window, block_size, chunk,
+        MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N,
+        num_warps=4, num_stages=2,
+    )
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    _merge_kernel[(B * Hq,)](m, l, acc, out, out.stride(0), out.stride(1), Hq, n_chunks,
+                             D=D, BLOCK_D=BLOCK_D, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=4)
+    return out
+
+
+def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: int | torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Split-K flash-decoding over the whole valid cache: our dense baseline. lengths: int or [B]."""
+    B = q.shape[0]
+    if isinstance(lengths, int):
+        return sparse_decode(q, keys, values, Selection(lengths, dense=True), scale)
+    return sparse_decode(q, keys, values, Selection(int(keys.shape[2]), dense=True), scale, lengths=lengths)
+
+
+def csr_to_indices(sel: Selection) -> torch.Tensor:
+    """CSR bucket lists -> padded token indices [B, H, n] (-1 pads), on the device, without a Python loop."""
+    B, H, nl = sel.buckets.shape
+    off = sel.bucket_offsets.long()
+    valid = sel.buckets >= 0
+    bk = sel.buckets.clamp(min=0).long()
+    starts = off.gather(-1, bk)
+    counts = torch.where(valid, off.gather(-1, bk + 1) - starts, 0)
+    # n is data-dependent; a bound keeps shapes static: every token belongs to at most one bucket
+    n = sel.bucket_tokens.shape[-1]
+    ends = counts.cumsum(-1)  # [B, H, nl]
+    slot = torch.arange(n, device=bk.device).view(1, 1, -1)
+    which = torch.searchsorted(ends, slot.expand(B, H, -1).contiguous(), right=True)  # bucket of each slot
+    ok = which < nl
+    which = which.clamp(max=nl - 1)
+    before = torch.where(which > 0, ends.gather(-1, (which - 1).clamp(min=0)), 0)
+    src = starts.gather(-1, which) + (slot - before)
+    tok = sel.bucket_tokens.long().gather(-1, src.clamp(max=n - 1))
+    return torch.where(ok, tok, -1)

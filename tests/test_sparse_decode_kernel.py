@@ -1,0 +1,137 @@
+"""The Triton sparse-decode family against its torch reference: under TRITON_INTERPRET=1 on the CPU (small
+shapes, fp32/fp16: the interpreter cannot do bf16) and, when a GPU is present, at real shapes in bf16 too."""
+
+import pytest
+import torch
+
+from sparsekv.kernels.reference import sparse_decode_reference
+from sparsekv.kernels.sparse_decode import csr_to_indices, dense_decode, sparse_decode
+from sparsekv.selection import Selection
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _data(B, Hkv, G, L, D, dtype, seed=0, extra=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, 1, D, generator=g)
+    k = torch.randn(B, Hkv, L + extra, D, generator=g)
+    v = torch.randn(B, Hkv, L + extra, D, generator=g)
+    return [t.to(DEV, dtype) for t in (q, k, v)]
+
+
+def _indices(B, H, L, sink, window, n, seed=0, pad=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(L - sink - window, generator=g)[:n] + sink for _ in range(B * H)]
+    idx = torch.stack(rows).view(B, H, n)
+    if pad:
+        idx[..., -pad:] = -1
+    return idx.to(DEV)
+
+
+def _close(out, ref, dtype):
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert out.shape == ref.shape and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_indices_match_reference(G, dtype):
+    B, Hkv, L, D = 2, 2, 211, 64
+    q, k, v = _data(B, Hkv, G, L, D, dtype, seed=G)
+    sel = Selection(L, sink=4, window=16, indices=_indices(B, Hkv, L, 4, 16, 41, seed=G, pad=3))
+    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), dtype)
+
+
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_head_dims(D):
+    q, k, v = _data(1, 2, 4, 97, D, torch.float32, seed=D)
+    sel = Selection(97, sink=2, window=8, indices=_indices(1, 2, 97, 2, 8, 13, seed=D))
+    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), torch.float32)
+
+
+def test_per_query_head_selection():
+    B, Hkv, G, L, D = 1, 2, 4, 150, 64
+    q, k, v = _data(B, Hkv, G, L, D, torch.float32)
+    sel = Selection(L, sink=4, window=8, indices=_indices(B, Hkv * G, L, 4, 8, 17))
+    _close(sparse_decode(q, k, v, sel, 0.1), sparse_decode_reference(q, k, v, sel, 0.1), torch.float32)
+
+
+def test_blocks_match_reference():
+    B, Hkv, G, L, D = 2, 2, 4, 203, 64
+    q, k, v = _data(B, Hkv, G, L, D, torch.float32)
+    blocks = torch.tensor([[[1, 5, -1], [2, 12, 0]], [[7, -1, -1], [4, 8, 11]]], device=DEV)  # 12: clipped tail
+    sel = Selection(L, sink=4, window=16, blocks=blocks, block_size=16)
+    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), torch.float32)
+
+
+def test_csr_matches_reference():
+    B, Hkv, G, L, D = 1, 2, 2, 120, 64
+    q, k, v = _data(B, Hkv, G, L, D, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.stack([torch.randperm(L - 12, generator=g) + 4 for _ in range(Hkv)]).view(1, Hkv, -1)
+    offsets = torch.tensor([0, 10, 25, 25, 60, L - 12]).view(1, 1, -1).expand(1, Hkv, -1)
+    sel = Selection(L, sink=4, window=8, buckets=torch.tensor([[[3, 0, -1], [1, 2, 4]]]),
+                    bucket_offsets=offsets.contiguous(), bucket_tokens=tokens)
+    sel = Selection(L, 4, 8, buckets=sel.buckets.to(DEV), bucket_offsets=sel.bucket_offsets.to(DEV),
+                    bucket_tokens=sel.bucket_tokens.to(DEV))
+    idx = csr_to_indices(sel)
+    assert sorted(t for t in idx[0, 0].tolist() if t >= 0) == sorted(tokens[0, 0, 25:60].tolist() + tokens[0, 0, :10].tolist())
+    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), torch.float32)
+
+
+def test_empty_selections():
+    q, k, v = _data(1, 2, 4, 50, 64, torch.float32)
+    only_dense = Selection(50, sink=4, window=8)
+    _close(sparse_decode(q, k, v, only_dense, 0.1), sparse_decode_reference(q, k, v, only_dense, 0.1), torch.float32)
+    nothing = Selection(50, indices=torch.full((1, 2, 5), -1, device=DEV))
+    out = sparse_decode(q, k, v, nothing, 0.1)
+    assert torch.equal(out, torch.zeros_like(out))  # reads no key: zeros, never NaN
+    _close(out, sparse_decode_reference(q, k, v, nothing, 0.1), torch.float32)
+
+
+def test_duplicate_indices_are_rejected():
+    q, k, v = _data(1, 2, 4, 60, 64, torch.float32)
+    idx = torch.tensor([[[10, 11, 10], [20, 21, 22]]], device=DEV)
+    with pytest.raises(ValueError, match="duplicate"):
+        sparse_decode(q, k, v, Selection(60, indices=idx), 0.1, check=True)
+    clash = torch.tensor([[[2, 11, 12], [20, 21, 22]]], device=DEV)  # position 2 is also a sink token
+    with pytest.raises(ValueError, match="duplicate"):
+        sparse_decode(q, k, v, Selection(60, sink=4, indices=clash), 0.1, check=True)
+
+
+def test_batch_rows_with_different_lengths():
+    B, Hkv, G, L, D = 3, 2, 4, 180, 64
+    q, k, v = _data(B, Hkv, G, L, D, torch.float32)
+    lens = torch.tensor([180, 77, 130], device=DEV)
+    idx = _indices(B, Hkv, L, 4, 16, 30)
+    idx = torch.where(idx < lens.view(B, 1, 1) - 16, idx, -1)
+    sel = Selection(L, sink=4, window=16, indices=idx)
+    out = sparse_decode(q, k, v, sel, 0.1, lengths=lens)
+    _close(out, sparse_decode_reference(q, k, v, sel, 0.1, lengths=lens), torch.float32)
+    # each row equals a batch-1 call at its own length
+    for b in range(B):
+        one = Selection(int(lens[b]), 4, 16, indices=idx[b : b + 1])
+        _close(out[b : b + 1], sparse_decode(q[b : b + 1], k[b : b + 1], v[b : b + 1], one, 0.1), torch.float32)
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_dense_decode_matches_reference(G):
+    q, k, v = _data(2, 2, G, 333, 64, torch.float32, seed=G)
+    full = Selection(333, dense=True)
+    _close(dense_decode(q, k, v, 333, 0.125), sparse_decode_reference(q, k, v, full, 0.125), torch.float32)
+    lens = torch.tensor([333, 100], device=DEV)
+    _close(dense_decode(q, k, v, lens, 0.125),
+           sparse_decode_reference(q, k, v, Selection(338, dense=True), 0.125, lengths=lens), torch.float32)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_real_shapes(dtype):
+    B, Hkv, G, L, D = 1, 8, 4, 131072, 128
+    q, k, v = _data(B, Hkv, G, L, D, dtype, extra=0)
+    sel = Selection(L, sink=128, window=512, indices=_indices(B, Hkv, L, 128, 512, 2048))
+    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), dtype)
+    _close(dense_decode(q, k, v, L, D**-0.5), sparse_decode_reference(q, k, v, Selection(L, dense=True), D**-0.5),
+           dtype)
