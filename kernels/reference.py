@@ -81,3 +81,15 @@ def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row that reads no key comes out as zeros
     out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)
     return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] int64 of the k largest scores per row, ties to the lower index, each row ascending.
+
+    A stable descending sort (NaN first, -0.0 tied with +0.0, as torch.sort orders them), its first k, sorted.
+    """
+    n = scores.shape[-1]
+    if not 0 <= k <= n:
+        raise ValueError(f"topk: k={k} must be between 0 and the row length {n}")
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :k]
+    return order.sort(dim=-1).values

@@ -2,7 +2,8 @@
 
 A decode step reads a list of *slots*: the sink, then the sparse part, then the recent window. Each program
 takes one chunk of slots for one selection head (a KV head and its whole GQA group, or one query head), maps
-slots to key positions (dense / token indices / fixed-size blocks), reads each key and value once for every
+slots to key positions (dense or token indices; blocks and CSR bucket lists are expanded to token indices on the
+device first, a few µs of torch ops: Triton 3.6's layout pass crashed on an in-kernel block mapping), reads each key and value once for every
 query row that shares it, and keeps an online-softmax partial state (max, sum, acc). A second small kernel
 merges the partial states of the chunks: flash-decoding's split-K, which spreads a long sequence (or a short
 selection over few heads) across all SMs.
@@ -20,8 +21,8 @@ from sparsekv.selection import Selection
 
 from .reference import check_selection
 
-MODE_DENSE, MODE_INDICES, MODE_BLOCKS = 0, 1, 2
-_NEG = -1.0e30  # "minus infinity" that keeps exp(x - m) finite for chunks that read nothing
+MODE_DENSE, MODE_INDICES = 0, 1
+_NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps exp(x - m) finite for chunks that read nothing
 
 
 @triton.jit
@@ -29,7 +30,7 @@ def _partial_kernel(
     Q, K, V, IDX, LENS, M_out, L_out, ACC_out,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ib, stride_ih,
-    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, block_size, chunk,
+    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk,
     MODE: tl.constexpr, PREC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -69,13 +70,7 @@ def _partial_kernel(
             is_sink = t < sink
             is_win = t >= sink + n_sparse
             j = t - sink
-            if MODE == 1:
-                sp = tl.load(IDX + b * stride_ib + hs * stride_ih + j, mask=in_range & ~is_sink & ~is_win, other=-1)
-            else:
-                blk = tl.load(IDX + b * stride_ib + hs * stride_ih + j // block_size,
-                              mask=in_range & ~is_sink & ~is_win, other=-1)
-                sp = tl.where(blk >= 0, blk * block_size + j % block_size, -1)
-                sp = tl.where((sp >= sink) & (sp < length - window), sp, -1)  # blocks are clipped to the middle
+            sp = tl.load(IDX + b * stride_ib + hs * stride_ih + j, mask=in_range & ~is_sink & ~is_win, other=-1)
             wp = length - window + (t - sink - n_sparse)
             pos = tl.where(is_sink, t, tl.where(is_win, wp, sp))
             ok = in_range & (pos >= 0) & (pos < length) & (is_sink | ~is_win | (wp >= sink))
@@ -124,26 +119,31 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: few chunks keep it fast
 
 
-def _plan(n_slots: int, programs_per_chunk: int, device: torch.device, block_n: int) -> tuple[int, int]:
-    """(chunk, n_chunks): enough chunks that about two programs run per SM, each at least one tile long."""
+def _plan(n_slots: int, programs_per_chunk: int, device: torch.device, block_n: int,
+          waves: int = 2) -> tuple[int, int]:
+    """(chunk, n_chunks): enough chunks that about `waves` programs run per SM, each at least one tile long."""
     sms = _num_sms(device)
-    want = max(1, (2 * sms + programs_per_chunk - 1) // programs_per_chunk)
+    want = max(1, (waves * sms + programs_per_chunk - 1) // programs_per_chunk)
     chunk = max(block_n, triton.cdiv(triton.cdiv(max(n_slots, 1), want), block_n) * block_n)
     return chunk, triton.cdiv(max(n_slots, 1), chunk)
 
 
 def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection, scale: float,
-                  lengths: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
+                  lengths: torch.Tensor | None = None, check: bool = False, *, block_n: int | None = None,
+                  num_warps: int = 4, num_stages: int | None = None, waves: int = 4) -> torch.Tensor:
     """q [B, Hq, 1, D] over the keys `sel` names -> [B, Hq, 1, D]. Same contract as sparse_decode_reference.
 
     `lengths` [B] (int) gives per-row valid lengths when batch rows differ; `check=True` rejects duplicate
-    positions first (a host sync: for tests and debugging).
+    positions first (a host sync: for tests and debugging). block_n / num_warps / num_stages / waves (programs
+    per SM) are tuning knobs; the defaults were measured on an H100 (results/ has the numbers).
     """
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
     if sel.buckets is not None:  # CSR: expand the chosen buckets to token indices, then the index path
         sel = Selection(sel.length, sel.sink, sel.window, indices=csr_to_indices(sel))
+    elif sel.blocks is not None:  # blocks: expand to token positions (clipped to the middle region)
+        sel = Selection(sel.length, sel.sink, sel.window, indices=sel.sparse_positions())
     Hs = sel.heads(Hkv)
     if Hs not in (Hkv, Hq):
         raise ValueError(f"selection has {Hs} heads; expected {Hkv} (KV heads) or {Hq} (query heads)")
@@ -153,26 +153,23 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
     lens = (torch.full((B,), sel.length, dtype=torch.int32, device=q.device) if lengths is None
             else lengths.to(device=q.device, dtype=torch.int32))
     if sel.dense:
-        mode, idx, n_sparse, n_slots, block_size = MODE_DENSE, lens, 0, keys.shape[2] if lengths is not None \
-            else sel.length, 1
-        sink = window = 0
-    elif sel.blocks is not None:
-        mode, idx, block_size = MODE_BLOCKS, sel.blocks, sel.block_size
-        n_sparse = sel.blocks.shape[-1] * block_size
-        sink, window = sel.sink, sel.window
-        n_slots = sink + n_sparse + window
+        mode, idx, n_sparse, sink, window = MODE_DENSE, lens, 0, 0, 0
+        n_slots = keys.shape[2] if lengths is not None else sel.length
     else:
-        mode, block_size = MODE_INDICES, 1
+        mode = MODE_INDICES
         idx = sel.indices if sel.indices is not None else lens.new_full((B, Hs, 1), -1)
         n_sparse = idx.shape[-1] if sel.indices is not None else 0
         sink, window = sel.sink, sel.window
         n_slots = sink + n_sparse + window
-    if idx.dim() == 3 and idx.shape[0] != B:
-        idx = idx.expand(B, -1, -1)
-    BLOCK_N = 64 if D <= 128 else 32
+        if idx.shape[0] != B:
+            idx = idx.expand(B, -1, -1)
+    # H100 sweep (bf16, d 128, 32/8 heads, 131072 tokens; .scratch tuning, numbers in results/): dense is best with
+    # 128-key tiles and 3 stages (181.8 µs), the gathered sparse path with 64-key tiles and no pipelining (8.6 µs)
+    BLOCK_N = block_n or ((128 if mode == MODE_DENSE else 64) if D <= 128 else 32)
+    num_stages = num_stages or (3 if mode == MODE_DENSE else 1)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group_rows))  # tl.dot needs at least 16 rows
-    chunk, n_chunks = _plan(n_slots, B * Hs, q.device, BLOCK_N)
+    chunk, n_chunks = _plan(n_slots, B * Hs, q.device, BLOCK_N, waves)
     rows = B * Hq * n_chunks
     m = torch.empty(rows, dtype=torch.float32, device=q.device)
     l = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -185,9 +182,9 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
         qc, keys, values, idx, lens, m, l, acc,
         qc.stride(0), qc.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), sib, sih,
-        scale, Hs, G, group_rows, sink, n_sparse, window, block_size, chunk,
-        MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=2,
+        scale, Hs, G, group_rows, sink, n_sparse, window, chunk,
+        MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
+        BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     _merge_kernel[(B * Hq,)](m, l, acc, out, out.stride(0), out.stride(1), Hq, n_chunks,
@@ -196,12 +193,12 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
 
 
 def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: int | torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, **tuning) -> torch.Tensor:
     """Split-K flash-decoding over the whole valid cache: our dense baseline. lengths: int or [B]."""
-    B = q.shape[0]
     if isinstance(lengths, int):
-        return sparse_decode(q, keys, values, Selection(lengths, dense=True), scale)
-    return sparse_decode(q, keys, values, Selection(int(keys.shape[2]), dense=True), scale, lengths=lengths)
+        return sparse_decode(q, keys, values, Selection(lengths, dense=True), scale, **tuning)
+    return sparse_decode(q, keys, values, Selection(int(keys.shape[2]), dense=True), scale, lengths=lengths,
+                         **tuning)
 
 
 def csr_to_indices(sel: Selection) -> torch.Tensor:
