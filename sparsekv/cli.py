@@ -249,6 +249,63 @@ def dump(
     console.print(f"wrote activations of {len(ids)} tokens to {path}")
 
 
+@app.command()
+def bench(
+    seq: Annotated[int, typer.Option(help="context length in tokens, the new one included")] = 131072,
+    shape: Annotated[Optional[str], typer.Option(help="attention shape preset: llama3-8b (default), llama2-7b, "
+                                                 "mistral-7b, qwen2.5-7b, smollm2-135m")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="take the shape from this model's config "
+                                                 "instead of --shape")] = None,
+    methods: Annotated[str, typer.Option(help="comma-separated: dense (= sdpa + flashdecode), sdpa, flashdecode, "
+                                         "or any registered method")] = "dense,oracle,streaming",
+    budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token count(s) "
+                                        "or fraction(s) of the context, comma-separated")] = "2048",
+    sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
+    window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
+    pooling: Annotated[str, typer.Option(help="GQA: 'group' (one choice per KV head) or 'head'")] = "group",
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
+    sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,
+    topk: Annotated[bool, typer.Option(help="also time top-k alone: our radix select vs torch.topk")] = True,
+    require_gpu: Annotated[bool, typer.Option(help="exit 2 instead of falling back to the CPU")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result here")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write a PNG of µs vs seq (needs matplotlib)")] = None,
+    device: DeviceOpt = "auto",
+):
+    """Time one decode step of one layer per method against dense SDPA, our flash-decoding and the memory floor."""
+    import torch
+
+    from .bench import CPU_SEQ_CAP, from_model, from_name, run_bench
+    from .bench.plot import plot_result, require_matplotlib
+    from .bench.report import rows_table, topk_table
+
+    if shape is not None and model is not None:
+        raise SparseKVError("give --shape or --model, not both")
+    if plot is not None:
+        require_matplotlib()  # fail before minutes of timing, not after
+    budgets = _csv(budget, float, "budget")
+    the_shape = from_name(shape or "llama3-8b") if model is None else None
+    if device == "auto" and not torch.cuda.is_available() and not require_gpu:
+        console.print(f"no GPU: running on the CPU, seq capped at {CPU_SEQ_CAP} (not GPU timings)", soft_wrap=True)
+    if model is not None:
+        with console.status(f"reading the shape of {model} ..."):
+            the_shape = from_model(model)
+    with console.status("bench ...") as status:
+        result = run_bench(the_shape, seq, methods, budgets, batch=batch, dtype=dtype, device=device,
+                           sweep=True if sweep else None, sink=sink, window=window, pooling=pooling,
+                           require_gpu=require_gpu, topk=topk, progress=lambda msg: status.update(f"bench: {msg}"))
+    out = console if console.is_terminal else Console(width=160)  # logs and pipes get whole columns, not 80
+    out.print(rows_table(result))
+    t = topk_table(result)
+    if t is not None:
+        out.print(t)
+    for note in result["notes"]:
+        out.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
+    _write_json(json_out, result)
+    if plot is not None:
+        console.print(f"wrote {plot_result(result, plot)}")
+
+
 @artifacts_app.command("list")
 def artifacts_list(root: Annotated[Path, typer.Argument(help="artifact root")] = Path("artifacts"),
                    json_out: Annotated[Optional[Path], typer.Option("--json")] = None):

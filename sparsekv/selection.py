@@ -135,5 +135,17 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
     k = min(split.k, scores.shape[-1])
     if k <= 0:
         return Selection(length, split.sink, split.window)
-    top = torch.topk(scores.float(), k, dim=-1, sorted=False).indices
-    return Selection(length, split.sink, split.window, indices=top + split.sink)
+    return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink)
+
+
+def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim: our radix-select kernel on the GPU (exact, ties to the
+    lower index, no sort), torch.topk elsewhere."""
+    from .sparse_attention import use_kernels
+
+    if use_kernels(scores.device):
+        from sparsekv.kernels.topk import topk as radix_topk
+
+        flat = scores.reshape(-1, scores.shape[-1]).contiguous()
+        return radix_topk(flat, k).view(*scores.shape[:-1], k)
+    return torch.topk(scores.float(), k, dim=-1, sorted=False).indices

@@ -1,0 +1,152 @@
+"""`sparsekv bench` on the CPU with tiny shapes: rows for every method, exact byte and selectivity arithmetic, the
+CLI's JSON, and one clear line (exit 2) for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsekv.bench import SHAPES, from_name, run_bench
+from sparsekv.errors import SparseKVError
+
+L, B, SINK, WINDOW, BUDGET = 2048, 2, 16, 64, 256
+shape = SHAPES["smollm2-135m"]
+D, HKV, F32 = shape.head_dim, shape.kv_heads, 4
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_bench("smollm2-135m", L, "dense,oracle,streaming", BUDGET, batch=B, dtype="fp32", device="cpu",
+                     sink=SINK, window=WINDOW)
+
+
+def _row(result, method):
+    return next(r for r in result["rows"] if r["method"] == method)
+
+
+def test_rows_for_every_method(result):
+    assert [r["method"] for r in result["rows"]] == ["sdpa", "flashdecode", "oracle", "streaming"]
+    for r in result["rows"]:
+        assert r["us"] > 0 and r["us_eager"] > 0 and r["GBps"] > 0 and r["speedup"] > 0
+    assert min(abs(r["speedup"] - 1) for r in result["rows"] if r["kind"] == "dense") < 1e-9  # the best dense is 1x
+    assert result["timer"] == "cpu-perf_counter" and result["config"]["cpu_fallback"]
+    assert result["copy_bandwidth"]["GBps"] > 0 and result["kernels"]["sparse_decode"] == "torch-reference"
+    assert _row(result, "flashdecode")["kernel"] == "torch-reference"
+    assert _row(result, "sdpa")["kernel"].startswith("torch-sdpa:")
+    json.dumps(result)  # JSON-ready as it is
+
+
+def test_dense_bytes_are_the_whole_cache(result):
+    for m in ("sdpa", "flashdecode"):
+        r = _row(result, m)
+        assert r["bytes_read"] == 2 * B * HKV * L * D * F32
+        assert r["selectivity"] == 1.0
+    floor = result["floor"][0]
+    assert floor["dense_bytes"] == 2 * B * HKV * L * D * F32
+    assert floor["dense_floor_us"] == pytest.approx(floor["dense_bytes"] / (result["copy_bandwidth"]["GBps"] * 1e3))
+
+
+def test_streaming_reads_sink_and_window_only(result):
+    r = _row(result, "streaming")
+    assert r["bytes_read"] == 2 * B * HKV * (SINK + WINDOW) * D * F32
+    assert (r["sink"], r["window"], r["selected"]) == (SINK, WINDOW, 0)
+    assert r["selectivity"] == pytest.approx((SINK + WINDOW) / L)
+
+
+def test_oracle_bytes_count_scoring_and_topk(result):
+    r = _row(result, "oracle")
+    mid = L - SINK - WINDOW
+    assert (r["sink"], r["window"], r["selected"]) == (SINK, WINDOW, BUDGET - SINK - WINDOW)
+    assert r["selectivity"] == pytest.approx(BUDGET / L)
+    assert r["bytes"]["kv"] == 2 * B * HKV * BUDGET * D * F32
+    assert r["bytes"]["select"] == B * HKV * mid * D * F32  # exact scoring reads every middle key once
+    assert r["bytes"]["scores"] == 2 * F32 * B * HKV * mid
+    assert r["bytes_read"] == r["bytes"]["kv"] + r["bytes"]["select"] + r["bytes"]["scores"]
+    assert r["us_attend"] > 0
+
+
+def test_topk_rows(result):
+    (t,) = result["topk"]  # no GPU: torch.topk alone
+    assert (t["rows"], t["n"], t["k"], t["op"]) == (B * shape.q_heads, L, BUDGET - SINK - WINDOW, "torch.topk")
+    assert t["us"] > 0
+
+
+def test_sweep_list_and_cpu_cap():
+    r = run_bench("smollm2-135m", 1024, ["streaming"], [64, 128], dtype="fp32", device="cpu", sweep=[512, 1024],
+                  topk=False)
+    assert [(x["seq"], x["budget"]) for x in r["rows"]] == [(512, 64), (512, 128), (1024, 64), (1024, 128)]
+    assert all(x["speedup"] is None for x in r["rows"])  # no dense baseline asked for
+    capped = run_bench("smollm2-135m", 10**6, ["sdpa"], [], dtype="fp32", device="cpu", topk=False)
+    assert capped["config"]["seq"] == [16384] and any("CPU cap" in n for n in capped["notes"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(budget=4096), "larger than the context"),
+    (dict(methods="dense,bogus"), "unknown method 'bogus'"),
+    (dict(shape="llama9"), "unknown shape 'llama9'"),
+    (dict(dtype="fp8"), "unknown dtype"),
+    (dict(sink=200, window=100), "exceed the budget"),
+])
+def test_bad_config_is_a_sparsekv_error(kwargs, message):
+    args = dict(shape="smollm2-135m", seq=L, methods="dense,oracle", budget=BUDGET, dtype="fp32", device="cpu")
+    with pytest.raises(SparseKVError, match=message):
+        run_bench(**{**args, **kwargs})
+
+
+def test_shape_presets():
+    s = from_name("llama3-8b")
+    assert (s.q_heads, s.kv_heads, s.head_dim) == (32, 8, 128)
+    assert (SHAPES["qwen2.5-7b"].q_heads, SHAPES["qwen2.5-7b"].kv_heads) == (28, 4)
+
+
+def sparsekv(*args):
+    return subprocess.run([sys.executable, "-m", "sparsekv.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--methods", "dense,oracle,streaming", "--budget", "256",
+                 "--dtype", "fp32", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert [x["method"] for x in res["rows"]] == ["sdpa", "flashdecode", "oracle", "streaming"]
+    assert res["config"]["shape"]["name"] == "smollm2-135m" and res["config"]["budgets"] == [256]
+    assert "oracle" in r.stdout and "streaming" in r.stdout
+    if not torch.cuda.is_available():
+        assert "no GPU" in r.stdout.splitlines()[0] and "CPU FALLBACK" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", "4096"], "larger than the context"),
+    (["--shape", "llama9"], "unknown shape 'llama9'"),
+    (["--methods", "dense,bogus"], "unknown method 'bogus'"),
+])
+def test_cli_bad_input_is_one_line(args, message):
+    r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--dtype", "fp32", *args)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cli_require_gpu():
+    r = sparsekv("--require-gpu")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --require-gpu: no CUDA device on this machine"
+
+
+def test_plot(tmp_path, result):
+    pytest.importorskip("matplotlib")
+    from sparsekv.bench.plot import plot_result
+
+    assert plot_result(result, tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+    from sparsekv.bench.plot import require_matplotlib
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(SparseKVError, match=r"needs matplotlib: pip install 'sparsekv\[plot\]'"):
+        require_matplotlib()
