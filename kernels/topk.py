@@ -1,26 +1,32 @@
 """Exact top-k over long score rows by radix *selection* (no sort), in Triton.
 
 Each score becomes an order-preserving unsigned key (float bits: negative -> all bits flipped, positive -> sign bit
-flipped; -0.0 is read as +0.0 and every NaN as the largest key, so the order is torch.sort's). The k-th largest key
-T of a row is then found digit by digit, most significant first, as in PyTorch's radix select and AIR top-k
-(SC'23): a pass histograms the current digit of the keys that still match the prefix found so far, and the bin
-holding the k-th largest becomes the next part of the prefix. fp32 takes three digits (12 + 10 + 10 bits), fp16 and
-bf16 two (11 + 5). A last pass writes, in ascending index order, every index with key > T and the first `need`
-indices with key == T (ties go to the lower index, deterministically).
+flipped; -0.0 reads as +0.0 and every NaN as the largest key, which is torch.sort's order). The k-th largest key T
+of a row is found digit by digit, most significant first (PyTorch's radix select, AIR top-k SC'23, RadiK), but the
+digit histograms are only built over a small *candidate* set, with global atomics: Triton 3.6 lowers
+`tl.histogram` to a ballot loop whose cost per element grows with the bin count (three such passes, 4096 and 1024
+bins, over 32 x 131072 fp32 scores took ~460 us on an H100). One program per block of a row, in this order:
 
-Every pass spreads a row over C programs (a 32 x 131072 batch fills the GPU with ~500 of them). The programs of a
-row merge their shared-memory histograms (tl.histogram) into one global histogram with atomics; the last program of
-the row to finish (an atomic ticket, AIR top-k's "last block" trick) scans it, writes the row's new prefix, and
-clears the histogram and ticket for the next pass. So one call is 3 (fp32) or 2 (16-bit) histogram launches plus the
-write, with no memset, no host sync and no data-dependent shape: it can be captured in a CUDA graph. After the first
-pass reads the row from HBM, the later passes find it in L2 (16.8 MB for 32 x 131072 fp32, L2 is 50 MB on an H100).
+1. bound    reads the row (from HBM): the maximum of every group of G scores, G chosen to leave >= 2k maxima, and
+            a 12-bit plus a 16-bit histogram of those maxima give L, the 16-bit floor of the k-th largest maximum.
+            At least k maxima, hence k scores, are >= L, so L <= T. About 1.2-1.4 k scores pass it (Gaussian,
+            uniform, 50 distinct values, narrow rows; measured in the interpreter).
+2. compact  reads the row again (now from L2): the scores >= L go, in index order, to the block's own slice of a
+            candidate buffer (key and index), and the histogram of their top 12 bits gives T's first digit.
+3. refine   candidates only, once per further digit (fp32: 12 then 8 bits; fp16/bf16: 4 bits): T's next digit,
+            from the candidates that match the digits found so far. The last one also gives `need`, how many keys
+            equal to T belong to the top-k.
+4. count    candidates only: per block, how many keys are > T and == T.
+5. write    candidates only: each block writes its indices with key > T and its share of the first `need` keys
+            equal to T, after the indices of the blocks before it: ascending index order, ties to the lower index.
 
-The last histogram pass also keeps each program's own digit histogram, so its last program knows how many indices
-every program of the row will write (> T, and the ties it may take) and hands each one its output offset: the
-write pass needs no atomics and its output is deterministic.
+Per-row merges use AIR top-k's "last program" pattern: each program adds its counts with atomics and takes a
+ticket; the row's last program scans the histogram, writes the row's next state, and clears the histogram and the
+ticket. No memset, no host sync, no data-dependent shape: a call can be captured in a CUDA graph. A program whose
+candidates all share one bin (ties, constant rows) adds one count instead of one per element.
 
-Scratch buffers are cached per (device, rows, programs per row) and left clean by every call; calls that share them
-must be ordered (one stream, or a CUDA graph). Reference: `kernels/reference.py::topk_reference`.
+Scratch buffers are cached per (device, rows, blocks, block size, key width) and left clean by every call; calls
+that share them must be ordered (one stream, or one CUDA graph). Reference: `kernels/reference.py::topk_reference`.
 """
 
 from __future__ import annotations
@@ -30,149 +36,227 @@ import triton
 import triton.language as tl
 
 _KEY_BITS = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 16}
-_DIGITS = {32: (12, 10, 10), 16: (11, 5)}  # bits per pass, most significant first; the sum is the key width
-_MAX_BINS = 1 << 12
+_FIRST = 12  # bits of the first digit (bound and compact passes)
+_FINE = 16  # bits of the bound: the bound pass also histograms the maxima's top 16 bits
+_REFINE = {32: (12, 8), 16: (4,)}  # bits of the later digits (candidates only); they add up to the key width
+_COPIES = 4  # first-digit histograms per row, spread over the programs to cut atomic contention
 _NAN_EXP = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}  # |bits| above this is a NaN
 
 
 @triton.jit
 def _keys(X, offs, m, KEY_BITS: tl.constexpr, NAN16: tl.constexpr):
-    """Order-preserving uint32 keys of the scores at X + offs (bits read as ints, so bf16 works in the interpreter)."""
+    """Order-preserving uint32 keys of the scores at X + offs (bits read as ints, so bf16 works in the
+    interpreter). Masked lanes get key 0, which no score has (its bits would be a NaN)."""
     if KEY_BITS == 32:
-        b = tl.load(X + offs, mask=m, other=0)  # int32 view of fp32
+        b = tl.load(X + offs, mask=m, other=-1)  # int32 view of fp32; -1 is a NaN bit pattern -> key 0 below
         b = tl.where(b == -2147483648, 0, b)  # -0.0 ties with +0.0, as in torch.sort
         key = b ^ ((b >> 31) | -2147483648)  # negative: flip all bits, positive: flip the sign bit
-        key = tl.where((b & 0x7FFFFFFF) > 0x7F800000, -1, key)  # NaN ranks above +inf, as in torch.topk
+        key = tl.where(((b & 0x7FFFFFFF) > 0x7F800000) & m, -1, key)  # NaN ranks above +inf, as in torch.topk
         return key.to(tl.uint32, bitcast=True)
     else:
-        b = tl.load(X + offs, mask=m, other=0).to(tl.int32) & 0xFFFF  # int16 view of fp16 / bf16
+        b = tl.load(X + offs, mask=m, other=-1).to(tl.int32) & 0xFFFF  # int16 view of fp16 / bf16
         b = tl.where(b == 0x8000, 0, b)
         key = b ^ tl.where(b >= 0x8000, 0xFFFF, 0x8000)
-        key = tl.where((b & 0x7FFF) > NAN16, 0xFFFF, key)
+        key = tl.where(((b & 0x7FFF) > NAN16) & m, 0xFFFF, key)
         return key.to(tl.uint32)
 
 
 @triton.jit
-def _radix_pass(X, STATE, GHIST, TICKET, LOCAL, GTP, OFFS, N, chunk, k, stride_x, C,
-                KEY_BITS: tl.constexpr, NAN16: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                MAX_BINS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    r = tl.program_id(1)
-    NB: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, NB)
-    if FIRST:
-        prefix = tl.full([], 0, tl.uint32)
-        k_rem = k
+def _hist_add(H, digit, valid):
+    """Add the valid digits to the histogram at H with global atomics; one atomic when they share a bin."""
+    n = tl.sum(valid.to(tl.int32), 0)
+    lo = tl.min(tl.where(valid, digit, 1 << 30), 0)
+    hi = tl.max(tl.where(valid, digit, -1), 0)
+    if lo == hi:
+        tl.atomic_add(H + lo, n, sem="relaxed")
     else:
-        prefix = tl.load(STATE + 2 * r).to(tl.uint32, bitcast=True)
-        k_rem = tl.load(STATE + 2 * r + 1)
-    x_row = X + r.to(tl.int64) * stride_x
-    start = c * chunk
-    end = tl.minimum(start + chunk, N)
-    hist = tl.zeros([NB], tl.int32)
-    above = tl.zeros([], tl.int32)  # keys of this program whose already-fixed high digits beat the prefix (LAST only)
-    for off in range(start, end, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        m = idx < end
-        key = _keys(x_row, idx, m, KEY_BITS, NAN16)
-        digit = ((key >> SHIFT) & (NB - 1)).to(tl.int32)
-        if FIRST:
-            cand = m
-        else:
-            high = key >> (SHIFT + BITS)
-            cand = m & (high == prefix)
-            if LAST:
-                above += tl.sum((m & (high > prefix)).to(tl.int32), 0)
-        hist += tl.histogram(digit, NB, mask=cand)
-
-    if LAST:  # this program's own histogram: the row's last program turns it into output offsets
-        tl.store(LOCAL + (r * C + c) * NB + bins, hist)
-        tl.store(GTP + r * C + c, above)
-    tl.atomic_add(GHIST + r * MAX_BINS + bins, hist, mask=hist > 0, sem="relaxed")
-    tl.debug_barrier()  # every thread's atomics are issued before the ticket releases them (cf. grid.sync)
-    ticket = tl.atomic_add(TICKET + r, 1, sem="acq_rel")
-    if ticket == C - 1:  # the row's last program: all histograms are in
-        h = tl.atomic_xchg(GHIST + r * MAX_BINS + bins, tl.zeros([NB], tl.int32), sem="relaxed")  # read, clear
-        tl.atomic_xchg(TICKET + r, 0, sem="relaxed")
-        total = tl.sum(h, 0)
-        at_least = total - tl.cumsum(h, 0) + h  # candidates with digit >= bin
-        b = tl.max(tl.where(at_least >= k_rem, bins, -1), 0)  # the bin holding the k_rem-th largest
-        k_rem -= tl.sum(tl.where(bins > b, h, 0), 0)
-        prefix = (prefix << BITS) | b.to(tl.uint32)
-        tl.store(STATE + 2 * r, prefix.to(tl.int32, bitcast=True))
-        tl.store(STATE + 2 * r + 1, k_rem)  # after the last pass: T = prefix, take the first k_rem keys == T
-        if LAST:
-            sel_before = tl.zeros([], tl.int32)
-            eq_before = tl.zeros([], tl.int32)
-            for j in range(0, C):
-                loc = tl.load(LOCAL + (r * C + j) * NB + bins, cache_modifier=".cg")
-                gt = tl.load(GTP + r * C + j, cache_modifier=".cg") + tl.sum(tl.where(bins > b, loc, 0), 0)
-                eq = tl.sum(tl.where(bins == b, loc, 0), 0)
-                tl.store(OFFS + 2 * (r * C + j), sel_before)
-                tl.store(OFFS + 2 * (r * C + j) + 1, eq_before)
-                sel_before += gt + tl.minimum(tl.maximum(k_rem - eq_before, 0), eq)
-                eq_before += eq
+        tl.atomic_add(H + digit, tl.full(digit.shape, 1, tl.int32), mask=valid, sem="relaxed")
 
 
 @triton.jit
-def _write_pass(X, STATE, OFFS, OUT, N, chunk, stride_x, stride_o, C,
-                KEY_BITS: tl.constexpr, NAN16: tl.constexpr, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
+def _is_last(TICKET, n_programs):
+    """True in the last program of a row to get here (its ticket also publishes the others' atomics)."""
+    tl.debug_barrier()  # every thread's atomics are issued before the ticket releases them (as in grid.sync)
+    return tl.atomic_add(TICKET, 1, sem="acq_rel") == n_programs - 1
+
+
+@triton.jit
+def _find_bin(h, bins, k_rem):
+    """The bin holding the k_rem-th largest of histogram h, and the rank of that element inside the bin."""
+    at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # counts in this bin and above
+    b = tl.maximum(tl.max(tl.where(at_least >= k_rem, bins, -1), 0), 0)
+    return b, k_rem - tl.sum(tl.where(bins > b, h, 0), 0)
+
+
+@triton.jit
+def _take_first_digit(GH, TICKET, r, bins, k_rem, NB: tl.constexpr, COPIES: tl.constexpr):
+    """Last program of a row: read and clear the first-digit histograms and the ticket."""
+    h = tl.zeros([NB], tl.int32)
+    for p in tl.static_range(COPIES):
+        h += tl.atomic_xchg(GH + (r * COPIES + p) * NB + bins, tl.zeros([NB], tl.int32), sem="relaxed")
+    tl.atomic_xchg(TICKET + r, 0, sem="relaxed")
+    return _find_bin(h, bins, k_rem)
+
+
+@triton.jit
+def _group_max(key, s, N, G: tl.constexpr, BLOCK: tl.constexpr):
+    """Maxima of the block's groups of G keys, and which groups hold any score."""
+    return tl.max(tl.reshape(key, [BLOCK // G, G]), 1), s * BLOCK + tl.arange(0, BLOCK // G) * G < N
+
+
+@triton.jit
+def _bound_kernel(X, GH, GF, TICKET, STATE, N, k, stride_x, S,
+                  KEY_BITS: tl.constexpr, NAN16: tl.constexpr, FIRST: tl.constexpr, FINE: tl.constexpr,
+                  G: tl.constexpr, COPIES: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
     r = tl.program_id(1)
-    t = tl.load(STATE + 2 * r).to(tl.uint32, bitcast=True)
-    need = tl.load(STATE + 2 * r + 1)
-    sel_run = tl.load(OFFS + 2 * (r * C + c))  # indices written by the row's earlier programs
-    eq_run = tl.load(OFFS + 2 * (r * C + c) + 1)  # keys == T in the row's earlier programs
-    x_row = X + r.to(tl.int64) * stride_x
+    NB: tl.constexpr = 1 << FIRST
+    SUBF: tl.constexpr = 1 << (FINE - FIRST)
+    idx = s * BLOCK + tl.arange(0, BLOCK)
+    key = _keys(X + r.to(tl.int64) * stride_x, idx, idx < N, KEY_BITS, NAN16)
+    gmax, g_ok = _group_max(key, s, N, G, BLOCK)
+    _hist_add(GH + (r * COPIES + s % COPIES) * NB, (gmax >> (KEY_BITS - FIRST)).to(tl.int32), g_ok)
+    _hist_add(GF + r * (NB * SUBF), (gmax >> (KEY_BITS - FINE)).to(tl.int32), g_ok)
+    if _is_last(TICKET + r, S):
+        c, rank = _take_first_digit(GH, TICKET, r, tl.arange(0, NB), k, NB, COPIES)
+        fine = tl.arange(0, SUBF)  # the coarse bin's fine bins (the compact pass clears them)
+        f, _ = _find_bin(tl.load(GF + r * (NB * SUBF) + c * SUBF + fine, cache_modifier=".cg"), fine, rank)
+        tl.store(STATE + 8 * r, c * SUBF + f)
+
+
+@triton.jit
+def _compact_kernel(X, GH, GF, TICKET, STATE, CNT, CK, CI, N, k, stride_x, S,
+                    KEY_BITS: tl.constexpr, NAN16: tl.constexpr, FIRST: tl.constexpr, FINE: tl.constexpr,
+                    G: tl.constexpr, COPIES: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    NB: tl.constexpr = 1 << FIRST
+    low = tl.load(STATE + 8 * r).to(tl.uint32) << (KEY_BITS - FINE)  # L: at least k keys are >= it
+    idx = s * BLOCK + tl.arange(0, BLOCK)
+    key = _keys(X + r.to(tl.int64) * stride_x, idx, idx < N, KEY_BITS, NAN16)
+    gmax, g_ok = _group_max(key, s, N, G, BLOCK)  # clear what the bound pass added: clean for the next call
+    tl.store(GF + r * (1 << FINE) + (gmax >> (KEY_BITS - FINE)).to(tl.int32), tl.zeros_like(g_ok.to(tl.int32)),
+             mask=g_ok)
+    cand = (idx < N) & (key >= low)
+    c = cand.to(tl.int32)
+    pos = tl.cumsum(c, 0) - c  # keep index order inside the block
+    base = r.to(tl.int64) * S * BLOCK + s * BLOCK
+    tl.store(CK + base + pos, key.to(tl.int32, bitcast=True), mask=cand)
+    tl.store(CI + base + pos, idx, mask=cand)
+    tl.store(CNT + r * S + s, tl.sum(c, 0))
+    _hist_add(GH + (r * COPIES + s % COPIES) * NB, (key >> (KEY_BITS - FIRST)).to(tl.int32), cand)
+    if _is_last(TICKET + r, S):
+        b, k_rem = _take_first_digit(GH, TICKET, r, tl.arange(0, NB), k, NB, COPIES)
+        tl.store(STATE + 8 * r + 1, b)  # prefix of T so far
+        tl.store(STATE + 8 * r + 2, k_rem)  # rank of T among the keys with that prefix
+
+
+@triton.jit
+def _refine_kernel(STATE, GH2, TICKET, CNT, CK, S,
+                   SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """One more digit of T from the candidates that match its prefix; SHIFT == 0 gives T itself."""
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    NB: tl.constexpr = 1 << BITS
+    prefix = tl.load(STATE + 8 * r + 1).to(tl.uint32, bitcast=True)
+    k_rem = tl.load(STATE + 8 * r + 2)
+    cnt = tl.load(CNT + r * S + s)
+    base = r.to(tl.int64) * S * BLOCK + s * BLOCK
+    for off in range(0, cnt, SUB):
+        j = off + tl.arange(0, SUB)
+        key = tl.load(CK + base + j, mask=j < cnt, other=0).to(tl.uint32, bitcast=True)
+        cand = (j < cnt) & ((key >> (SHIFT + BITS)) == prefix)
+        _hist_add(GH2 + r * NB, ((key >> SHIFT) & (NB - 1)).to(tl.int32), cand)
+    if _is_last(TICKET + r, S):
+        bins = tl.arange(0, NB)
+        h = tl.atomic_xchg(GH2 + r * NB + bins, tl.zeros([NB], tl.int32), sem="relaxed")
+        tl.atomic_xchg(TICKET + r, 0, sem="relaxed")
+        b, k_rem = _find_bin(h, bins, k_rem)
+        longer = ((prefix << BITS) | b.to(tl.uint32)).to(tl.int32, bitcast=True)
+        if SHIFT == 0:
+            tl.store(STATE + 8 * r + 3, longer)  # T
+            tl.store(STATE + 8 * r + 4, k_rem)  # how many keys equal to T to take, lowest indices first
+        else:
+            tl.store(STATE + 8 * r + 1, longer)
+            tl.store(STATE + 8 * r + 2, k_rem)
+
+
+@triton.jit
+def _count_kernel(STATE, CNT, CK, CNT2, S, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Per block: its candidates with key > T and key == T (for the output offsets)."""
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    t = tl.load(STATE + 8 * r + 3).to(tl.uint32, bitcast=True)
+    cnt = tl.load(CNT + r * S + s)
+    base = r.to(tl.int64) * S * BLOCK + s * BLOCK
+    gt = tl.zeros([], tl.int32)
+    eq = tl.zeros([], tl.int32)
+    for off in range(0, cnt, SUB):
+        j = off + tl.arange(0, SUB)
+        key = tl.load(CK + base + j, mask=j < cnt, other=0).to(tl.uint32, bitcast=True)
+        gt += tl.sum(((j < cnt) & (key > t)).to(tl.int32), 0)
+        eq += tl.sum(((j < cnt) & (key == t)).to(tl.int32), 0)
+    tl.store(CNT2 + 2 * (r * S + s), gt)
+    tl.store(CNT2 + 2 * (r * S + s) + 1, eq)
+
+
+@triton.jit
+def _write_kernel(STATE, CNT2, CNT, CK, CI, OUT, S, stride_o,
+                  BLOCK: tl.constexpr, SUB: tl.constexpr, S_POW2: tl.constexpr):
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    t = tl.load(STATE + 8 * r + 3).to(tl.uint32, bitcast=True)
+    need = tl.load(STATE + 8 * r + 4)
+    blk = tl.arange(0, S_POW2)
+    before = blk < s  # the row's earlier blocks
+    gt_before = tl.sum(tl.load(CNT2 + 2 * (r * S + blk), mask=before, other=0), 0)
+    eq_run = tl.sum(tl.load(CNT2 + 2 * (r * S + blk) + 1, mask=before, other=0), 0)
+    sel_run = gt_before + tl.minimum(eq_run, need)  # indices the earlier blocks write
+    cnt = tl.load(CNT + r * S + s)
+    base = r.to(tl.int64) * S * BLOCK + s * BLOCK
     o_row = OUT + r.to(tl.int64) * stride_o
-    start = c * chunk
-    end = tl.minimum(start + chunk, N)
-    for off in range(start, end, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        m = idx < end
-        key = _keys(x_row, idx, m, KEY_BITS, NAN16)
-        gt = (m & (key > t)).to(tl.int32)
-        eq = (m & (key == t)).to(tl.int32)
-        both = gt + (eq << 16)  # one scan for both counts (BLOCK < 2**16)
-        before = tl.cumsum(both, 0) - both
+    for off in range(0, cnt, SUB):
+        j = off + tl.arange(0, SUB)
+        key = tl.load(CK + base + j, mask=j < cnt, other=0).to(tl.uint32, bitcast=True)
+        gt = ((j < cnt) & (key > t)).to(tl.int32)
+        eq = ((j < cnt) & (key == t)).to(tl.int32)
+        both = gt + (eq << 16)  # one scan for both counts (SUB < 2**16)
+        pre = tl.cumsum(both, 0) - both
         room = tl.maximum(need - eq_run, 0)  # ties still to take
-        eq_before = before >> 16
-        take = (gt > 0) | ((eq > 0) & (eq_before < room))
-        pos = sel_run + (before & 0xFFFF) + tl.minimum(eq_before, room)
-        tl.store(o_row + pos, idx.to(tl.int64), mask=take)
-        n_gt = tl.sum(gt, 0)
+        eq_pre = pre >> 16
+        take = (gt > 0) | ((eq > 0) & (eq_pre < room))
+        pos = sel_run + (pre & 0xFFFF) + tl.minimum(eq_pre, room)
+        i = tl.load(CI + base + j, mask=take, other=0)
+        tl.store(o_row + pos, i.to(tl.int64), mask=take)
         n_eq = tl.sum(eq, 0)
-        sel_run += n_gt + tl.minimum(n_eq, room)
+        sel_run += tl.sum(gt, 0) + tl.minimum(n_eq, room)
         eq_run += n_eq
 
 
-_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+_SCRATCH: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def _scratch(device: torch.device, rows: int, ctas: int, last_bins: int) -> tuple[torch.Tensor, ...]:
-    key = (device, rows, ctas, last_bins)
+def _scratch(device: torch.device, rows: int, blocks: int, block: int, key_bits: int) -> dict[str, torch.Tensor]:
+    key = (device, rows, blocks, block, key_bits)
     if key not in _SCRATCH:
         i32 = dict(dtype=torch.int32, device=device)
-        _SCRATCH[key] = (
-            torch.empty(rows, 2, **i32),  # STATE: prefix, k still to take
-            torch.zeros(rows, _MAX_BINS, **i32),  # GHIST: zero between calls (the last program clears it)
-            torch.zeros(rows, **i32),  # TICKET: zero between calls
-            torch.empty(rows, ctas, last_bins, **i32),  # LOCAL
-            torch.empty(rows, ctas, **i32),  # GTP
-            torch.empty(rows, ctas, 2, **i32),  # OFFS
+        _SCRATCH[key] = dict(
+            state=torch.zeros(rows, 8, **i32),  # b1, prefix, k still to take, T, need
+            gh=torch.zeros(rows, _COPIES, 1 << _FIRST, **i32),  # zero between calls (last programs clear)
+            gf=torch.zeros(rows, 1 << _FINE, **i32),  # zero between calls (the compact pass clears)
+            gh2=torch.zeros(rows, 1 << max(_REFINE[key_bits]), **i32),  # zero between calls
+            ticket=torch.zeros(rows, **i32),  # zero between calls
+            cnt=torch.empty(rows, blocks, **i32),  # candidates per block
+            cnt2=torch.empty(rows, blocks, 2, **i32),  # per block: candidates > T, == T
+            ck=torch.empty(rows, blocks * block, **i32),  # candidate keys, each block in its own slice
+            ci=torch.empty(rows, blocks * block, **i32),  # candidate indices
         )
     return _SCRATCH[key]
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: a few programs per row, so the multi-program merge is exercised
-
-
 def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
-         _block: int | None = None, _ctas_per_sm: int = 4, _num_warps: int = 8) -> torch.Tensor:
-    """scores [..., N] (fp32/fp16/bf16, contiguous last dim) -> int64 indices [..., k] of the k largest per row.
+         _block: int | None = None, _num_warps: int | None = None) -> torch.Tensor:
+    """scores [..., N] (fp32/fp16/bf16) -> int64 indices [..., k] of the k largest per row.
 
     Exact: ties go to the lower index; each row's k indices come in ascending index order (not by score).
     NaN ranks above +inf and -0.0 ties with +0.0, as in torch.sort / torch.topk. No host sync, so it can be
@@ -200,26 +284,30 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         return out
     o = out.view(rows, k)
 
-    key_bits = _KEY_BITS[scores.dtype]
-    digits = _DIGITS[key_bits]
-    block = _block or (4096 if scores.is_cuda else 256)
-    block = min(block, triton.next_power_of_2(n))
-    # programs per row: enough for the whole GPU, but no fewer than one block of scores each
-    ctas = max(1, min(triton.cdiv(n, block), triton.cdiv(_ctas_per_sm * _sm_count(scores.device), rows)))
-    chunk = triton.cdiv(triton.cdiv(n, ctas), block) * block
-    ctas = triton.cdiv(n, chunk)
-    state, ghist, ticket, local, gtp, offs = _scratch(scores.device, rows, ctas, 1 << digits[-1])
-    xv = x.view(torch.int32 if key_bits == 32 else torch.int16)
+    bits = _KEY_BITS[scores.dtype]
+    block = min(_block or (4096 if scores.is_cuda else 512), triton.next_power_of_2(n))
+    warps = _num_warps or (8 if block >= 4096 else 4)
+    sub = min(block, 256)
+    blocks = triton.cdiv(n, block)
+    # groups of G scores give >= 2k maxima: their k-th largest is a tight lower bound on the k-th largest score
+    g = 1 << max(0, min(4, (n // (2 * k)).bit_length() - 1))
+    t = _scratch(scores.device, rows, blocks, block, bits)
+    xv = x.view(torch.int32 if bits == 32 else torch.int16)
     nan16 = _NAN_EXP.get(scores.dtype, 0)
-    grid = (ctas, rows)
-    shift = key_bits
-    for p, bits in enumerate(digits):
-        shift -= bits
-        _radix_pass[grid](xv, state, ghist, ticket, local, gtp, offs, n, chunk, k, xv.stride(0), ctas,
-                          KEY_BITS=key_bits, NAN16=nan16, SHIFT=shift, BITS=bits, MAX_BINS=_MAX_BINS,
-                          FIRST=p == 0, LAST=p == len(digits) - 1, BLOCK=block, num_warps=_num_warps)
-    _write_pass[grid](xv, state, offs, o, n, chunk, xv.stride(0), o.stride(0), ctas,
-                      KEY_BITS=key_bits, NAN16=nan16, BLOCK=block, num_warps=_num_warps)
+    grid = (blocks, rows)
+    common = dict(KEY_BITS=bits, NAN16=nan16, FIRST=_FIRST, FINE=min(_FINE, bits), G=g, COPIES=_COPIES,
+                  BLOCK=block, num_warps=warps)
+    _bound_kernel[grid](xv, t["gh"], t["gf"], t["ticket"], t["state"], n, k, xv.stride(0), blocks, **common)
+    _compact_kernel[grid](xv, t["gh"], t["gf"], t["ticket"], t["state"], t["cnt"], t["ck"], t["ci"], n, k,
+                          xv.stride(0), blocks, **common)
+    shift = bits - _FIRST
+    for digit in _REFINE[bits]:
+        shift -= digit
+        _refine_kernel[grid](t["state"], t["gh2"], t["ticket"], t["cnt"], t["ck"], blocks,
+                             SHIFT=shift, BITS=digit, BLOCK=block, SUB=sub, num_warps=8)
+    _count_kernel[grid](t["state"], t["cnt"], t["ck"], t["cnt2"], blocks, BLOCK=block, SUB=sub, num_warps=4)
+    _write_kernel[grid](t["state"], t["cnt2"], t["cnt"], t["ck"], t["ci"], o, blocks, o.stride(0),
+                        BLOCK=block, SUB=sub, S_POW2=triton.next_power_of_2(blocks), num_warps=4)
     return out
 
 
