@@ -93,3 +93,148 @@ def topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"topk: k={k} must be between 0 and the row length {n}")
     order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :k]
     return order.sort(dim=-1).values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Adamas (paper: shared/papers/adamas.txt): Hadamard transform, bucketize, pack 2-bit codes, code distances.
+
+SUPPORTED_HADAMARD = "2^n (n>=0: 1, 2, 4, ..., 64, 128, 256), 12·2^n (12, 24, 48, 96, 192), 20·2^n (20, 40, 80, 160)"
+_HADAMARD_CACHE: dict = {}
+
+
+def _paley_hadamard(q: int) -> torch.Tensor:
+    """Unnormalised ±1 Hadamard matrix of order q + 1 (Paley construction I, q prime, q ≡ 3 mod 4).
+
+    H = I + S with S = [[0, 1ᵀ], [-1, Q]] and Q the Jacobsthal matrix Q_ij = χ(j - i) (χ: quadratic character
+    mod q). Q is skew for q ≡ 3 mod 4, so S is skew and H Hᵀ = I + S Sᵀ = (q + 1) I.
+    """
+    squares = {(i * i) % q for i in range(1, q)}
+    chi = [0] + [1 if a in squares else -1 for a in range(1, q)]
+    Q = torch.tensor([[chi[(j - i) % q] for j in range(q)] for i in range(q)], dtype=torch.float64)
+    S = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    S[0, 1:] = 1.0
+    S[1:, 0] = -1.0
+    S[1:, 1:] = Q
+    return torch.eye(q + 1, dtype=torch.float64) + S
+
+
+def _hadamard_factor(d: int) -> tuple[int, int] | None:
+    """(2^n, m) with d = 2^n · m and m in {1, 12, 20}, or None."""
+    for m in (1, 12, 20):
+        if d % m == 0:
+            p = d // m
+            if p >= 1 and p & (p - 1) == 0:
+                return p, m
+    return None
+
+
+def hadamard_matrix(d: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Orthonormal Hadamard matrix H_d (H @ H.T = I), cached per (d, dtype, device). Do not modify it in place.
+
+    Sylvester's H_{2^n} for powers of two (symmetric); otherwise H_{2^n} ⊗ H_m with H_12 and H_20 from Paley's
+    construction I (q = 11, 19), which is *not* symmetric: its inverse is H.T. Supported d: SUPPORTED_HADAMARD.
+    """
+    d = int(d)
+    fac = _hadamard_factor(d) if d >= 1 else None
+    if fac is None:
+        raise ValueError(f"no Hadamard matrix for head dim {d}; supported: {SUPPORTED_HADAMARD}")
+    key = (d, dtype, str(torch.device(device) if device is not None else torch.device("cpu")))
+    H = _HADAMARD_CACHE.get(key)
+    if H is None:
+        p, m = fac
+        Hp = torch.ones(1, 1, dtype=torch.float64)
+        h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        while Hp.shape[0] < p:
+            Hp = torch.kron(h2, Hp)  # Sylvester: H_{2^n} = H_2 ⊗ H_{2^{n-1}}
+        Hm = _paley_hadamard(m - 1) if m > 1 else torch.ones(1, 1, dtype=torch.float64)
+        H = (torch.kron(Hp, Hm) / d ** 0.5).to(dtype=dtype, device=device)
+        _HADAMARD_CACHE[key] = H
+    return H
+
+
+def hadamard_reference(x: torch.Tensor) -> torch.Tensor:
+    """x @ H_d over the last dim (fp32 maths), in x's dtype. The paper's H_Q = Q H, H_K = K H (eq. 4)."""
+    H = hadamard_matrix(x.shape[-1], torch.float32, x.device)
+    return (x.float() @ H).to(x.dtype)
+
+
+def _thresholds_for(x: torch.Tensor, thresholds: torch.Tensor, bits: int) -> torch.Tensor:
+    """Thresholds broadcast against x [..., H, n, D]: [T] shared, or [Ht, T] with H % Ht == 0 (head h uses row
+    h // (H // Ht): per-KV-head thresholds serve a GQA group of query heads)."""
+    T = (1 << bits) - 1
+    if thresholds.shape[-1] != T:
+        raise ValueError(f"bits={bits} needs {T} thresholds per row, got shape {tuple(thresholds.shape)}")
+    th = thresholds.to(device=x.device, dtype=torch.float32)
+    if th.dim() == 1:
+        return th
+    if th.dim() != 2 or x.dim() < 3 or x.shape[-3] % th.shape[0] != 0:
+        raise ValueError(f"thresholds {tuple(thresholds.shape)} do not fit x {tuple(x.shape)} "
+                         "(expected [T] or [Ht, T] with x [..., H, n, D], H a multiple of Ht)")
+    th = th.repeat_interleave(x.shape[-3] // th.shape[0], dim=0)  # [H, T]
+    return th[:, None, None, :]  # against x[..., H, n, D, None]
+
+
+def adamas_bucketize_reference(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """Codes uint8 with x's shape: the number of thresholds strictly below x (paper eq. 5, B(x) = Σ 1[x > B_i]).
+
+    x [..., H, n, D] with thresholds [H, 2^bits - 1] (or [Ht, ...], H % Ht == 0), or x [..., D] with shared
+    thresholds [2^bits - 1]. Thresholds at -inf always count, at +inf never; NaN x gets 0.
+    """
+    th = _thresholds_for(x, thresholds, bits)
+    return (x.float().unsqueeze(-1) > th).sum(-1).to(torch.uint8)
+
+
+def _per_word(bits: int) -> int:
+    if bits not in (1, 2, 3):
+        raise ValueError(f"bits must be 1, 2 or 3, got {bits}")
+    return {1: 16, 2: 8, 3: 5}[bits]
+
+
+def adamas_pack_reference(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """codes [..., D] (0 .. 2^bits - 1) -> int16 words [..., ceil(D / per_word)].
+
+    Code i of a word's group sits at bits [bits·i, bits·(i+1)): 16 codes per word for bits=1, 8 for bits=2 (as the
+    paper: eight 2-bit codes per 16-bit value), 5 for bits=3 (15 bits used, the top bit 0). Padding codes are 0.
+    """
+    pw = _per_word(bits)
+    D = codes.shape[-1]
+    W = -(-D // pw)
+    c = torch.zeros(*codes.shape[:-1], W * pw, dtype=torch.int32, device=codes.device)
+    c[..., :D] = codes.to(torch.int32)
+    c = c.view(*codes.shape[:-1], W, pw)
+    shifts = torch.arange(pw, device=codes.device, dtype=torch.int32) * bits
+    word = (c << shifts).sum(-1)  # 0 .. 65535
+    return torch.where(word >= 32768, word - 65536, word).to(torch.int16)
+
+
+def adamas_unpack_reference(words: torch.Tensor, d: int, bits: int = 2) -> torch.Tensor:
+    """Inverse of adamas_pack_reference: int16 words [..., W] -> uint8 codes [..., d]."""
+    pw = _per_word(bits)
+    w = words.to(torch.int32) & 0xFFFF
+    shifts = torch.arange(pw, device=words.device, dtype=torch.int32) * bits
+    c = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*words.shape[:-1], -1)[..., :d].to(torch.uint8)
+
+
+def adamas_distance_reference(q_words: torch.Tensor, k_words: torch.Tensor, d: int, bits: int = 2,
+                              metric: str = "l1", pool: str | None = None) -> torch.Tensor:
+    """Code distances int32 [B, Hq, L]: Σ_dims |qc - kc| (l1, paper eq. 6) or Σ (qc - kc)² (l2); smaller = closer.
+
+    q_words [B, Hq, W]; k_words [B, Hkv, L, W]; query head h reads KV head h // (Hq // Hkv).
+    pool "sum" / "min" reduces over each KV head's query group -> [B, Hkv, L].
+    """
+    if metric not in ("l1", "l2"):
+        raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
+    B, Hq, _ = q_words.shape
+    Hkv = k_words.shape[1]
+    qc = adamas_unpack_reference(q_words, d, bits).int()  # [B, Hq, d]
+    kc = adamas_unpack_reference(k_words, d, bits).int()  # [B, Hkv, L, d]
+    kc = kc.repeat_interleave(Hq // Hkv, dim=1)  # clarity over speed
+    diff = qc.unsqueeze(2) - kc
+    dist = (diff.abs() if metric == "l1" else diff * diff).sum(-1)
+    if pool is not None:
+        if pool not in ("sum", "min"):
+            raise ValueError(f"pool must be None, 'sum' or 'min', got {pool!r}")
+        grouped = dist.view(B, Hkv, Hq // Hkv, -1)
+        dist = grouped.sum(2) if pool == "sum" else grouped.amin(2)
+    return dist.to(torch.int32)

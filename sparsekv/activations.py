@@ -12,6 +12,8 @@ every layer; pre-RoPE q/k are the same tensors rotated back with the model's own
 
 from __future__ import annotations
 
+import gzip
+
 import contextvars
 import hashlib
 import re
@@ -29,6 +31,7 @@ from . import artifacts
 from .artifacts import ArtifactError, save_artifact
 from .cache import SparseCache
 from .errors import SparseKVError
+from .progress import Ticker
 from .methods import get_method
 from .models import LoadedModel
 from .rope import find_rotary, rope_tables, unrotate
@@ -248,7 +251,7 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
            "q_pos": torch.cat(q_local),
            "q_seq": torch.cat([torch.full((len(q),), s, dtype=torch.long) for s, q in enumerate(q_local)])}
 
-    report = _Reporter(progress, T)
+    report = Ticker(progress, T, "dump")
     t0, k_off, q_off = time.perf_counter(), 0, 0
     for s, (start, n) in enumerate(seqs):
         seen = _run_sequence(lm, rotary, ids[start : start + n], q_local[s], buf, k_off, q_off, dtype)
@@ -321,18 +324,6 @@ def _write(lm: LoadedModel, out_dir: Path, config: dict, tensors: dict, data: di
     return out_dir
 
 
-class _Reporter:
-    def __init__(self, progress: Any, total: int):
-        self.progress, self.total, self.done = progress, total, 0
-        self.task = progress.add_task("dump", total=total) if hasattr(progress, "add_task") else None
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        if self.task is not None:
-            self.progress.advance(self.task, n)
-        elif callable(self.progress):
-            self.progress(self.done, self.total)
-
 
 # -- text ----------------------------------------------------------------------------------------------------------
 
@@ -359,7 +350,8 @@ def _file_tokens(lm: LoadedModel, path: Path, want: int) -> list[int]:
     # Read a prefix that comfortably covers `want` tokens, growing it as needed: a corpus may be gigabytes.
     chars = max(want * 8, 1 << 16)
     while True:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        opener = gzip.open if path.suffix == ".gz" else open  # e.g. Debian's jargon-text ships jargon.txt.gz
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
             text = f.read(chars)
         whole = len(text) < chars
         ids = _encode(lm, text)

@@ -5,6 +5,7 @@ Bad input stops with one line on stderr and exit code 2 (every library error is 
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import time
@@ -105,7 +106,8 @@ def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: lis
     for m in methods:
         if m not in known:
             raise SparseKVError(f"unknown method {m!r}; available: {', '.join(known)}")
-    specs = [RunSpec(m, b, {} if m == "dense" else options) for m in methods
+    _check_options_used(methods, {k: v for k, v in options.items() if k not in ("sink", "window", "pooling")})
+    specs = [RunSpec(m, b, _options_for(m, options)) for m in methods
              for b in ([None] if m == "dense" else budgets)]
     for L in seqs:  # validate the whole grid before spending minutes on its first cell
         for sp in specs:
@@ -118,6 +120,26 @@ def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: lis
             progress.update(bar, description=f"{task} seq={L}: {len(specs)} method/budget cells")
             results += run_grid(lm, task, specs, L, n, seed, dense_layers, on_sample=lambda: progress.advance(bar))
     return results
+
+
+def _options_for(method: str, options: dict) -> dict:
+    """The method options a grid cell gets: dense takes none; method-specific ones (artifact, bits, ...) go only
+    to the methods whose constructor names them."""
+    from .methods import REGISTRY
+
+    if method == "dense":
+        return {}
+    accepts = inspect.signature(REGISTRY[method].__init__).parameters
+    return {k: v for k, v in options.items() if k in accepts}
+
+
+def _check_options_used(methods: list[str], options: dict) -> None:
+    """An option no method in the grid takes is a mistake to report, not to drop silently."""
+    used = set().union(*(_options_for(m, options) for m in methods)) if methods else set()
+    unused = sorted(set(options) - used)
+    if unused:
+        raise SparseKVError(f"option(s) {', '.join('--' + u for u in unused)} apply to none of the methods "
+                            f"{', '.join(methods)}")
 
 
 @app.command("eval")
@@ -133,6 +155,11 @@ def eval_cmd(
     window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
     pooling: Annotated[str, typer.Option(help="GQA: 'group' (one choice per KV head) or 'head'")] = "group",
     dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
+    artifact: Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")] = None,
+    hadamard: Annotated[Optional[bool], typer.Option("--hadamard/--no-hadamard",
+                                                     help="adamas ablation: Hadamard transform on/off")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="adamas ablation: code bits 1, 2 or 3")] = None,
+    distance: Annotated[Optional[str], typer.Option(help="adamas ablation: code distance l1 or l2")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here")] = None,
     model: ModelOpt = "smollm2-135m",
     device: DeviceOpt = "auto",
@@ -145,7 +172,9 @@ def eval_cmd(
     budgets = _csv(budget, float, "budget")
     seqs = _csv(seq, int, "seq")
     layers = tuple(_csv(dense_layers, int, "dense-layers"))
-    options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling}.items() if v is not None}
+    options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling,
+                                 "artifact": None if artifact is None else str(artifact), "hadamard": hadamard,
+                                 "bits": bits, "distance": distance}.items() if v is not None}
     lm = _load(model, device, dtype)
     results = _run_grid(lm, task, methods, budgets, seqs, n, seed, layers, options)
     console.print(_results_table(results, f"{task} on {lm.name}"))
@@ -184,6 +213,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = True,
     dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
+    artifact: Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the generation here")] = None,
     model: ModelOpt = "smollm2-135m",
     device: DeviceOpt = "auto",
@@ -203,7 +233,8 @@ def generate(
     if max_new_tokens <= 0:
         raise SparseKVError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     m = get_method(method, **({} if method == "dense" else
-                              {k: v for k, v in {"budget": budget, "sink": sink, "window": window}.items()
+                              {k: v for k, v in {"budget": budget, "sink": sink, "window": window,
+                                                 "artifact": None if artifact is None else str(artifact)}.items()
                                if v is not None}))
     lm = _load(model, device, dtype)
     ids, template = build_prompt(lm.tokenizer, prompt, chat=None if chat else False)
@@ -247,6 +278,52 @@ def dump(
         path = dump_activations(lm, ids, out, seq_len=seq_len, queries_per_seq=queries, seed=seed,
                                 source=str(text_file or dataset), progress=progress)
     console.print(f"wrote activations of {len(ids)} tokens to {path}")
+
+
+@app.command()
+def calibrate(
+    acts: Annotated[Path, typer.Option(help="an activations dump folder (from `sparsekv dump`)")],
+    out: Annotated[Path, typer.Option(help="artifact root; the artifact goes to OUT/<model>/adamas/vN")] = Path(
+        "artifacts"),
+    method: Annotated[str, typer.Option(help="adamas")] = "adamas",
+    per: Annotated[str, typer.Option(help="one threshold set per KV head ('head'), per 'layer', or 'global'")] = "head",
+    bits: Annotated[int, typer.Option(help="code bits: 1, 2 (the paper) or 3")] = 2,
+    hadamard: Annotated[bool, typer.Option("--hadamard/--no-hadamard", help="Hadamard-transform q/k first")] = True,
+    distance: Annotated[str, typer.Option(help="code distance: l1 (the paper) or l2")] = "l1",
+    budget: Annotated[int, typer.Option(help="keys per query whose exact top-k recall is maximised")] = 64,
+    queries: Annotated[int, typer.Option(help="query positions used per layer (seeded sample)")] = 256,
+    holdout: Annotated[float, typer.Option(help="share of them held out for the before/after report")] = 0.25,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the report here")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
+                                                 "(optional: the dump records its model)")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+):
+    """Fit Adamas' bucket thresholds to a dump (recall of the exact top-k keys) and write them as an artifact."""
+    from .activations import load_activations
+    from .calibrate import calibrate_adamas, save_calibration
+
+    if method != "adamas":
+        raise SparseKVError("calibrate supports: adamas")
+    lm = _load(model, device, dtype) if model is not None else None
+    data = load_activations(acts, lm)
+    opts = dict(per=per, bits=bits, hadamard=hadamard, distance=distance, budget=budget)
+    with _progress() as progress:
+        thresholds, report = calibrate_adamas(data, **opts, holdout=holdout, seed=seed, max_queries=queries,
+                                              progress=progress)
+    path = save_calibration(out, data, thresholds, report, **opts, holdout=holdout, seed=seed)
+    t = Table(title=f"adamas recall of the exact top-{budget} on held-out queries ({report['queries_heldout']} per "
+                    f"KV head): paper thresholds {report['fixed_thresholds']} vs fitted ({per})")
+    for col in ("layer", "paper", "fitted", "gain", "fit set: paper", "fit set: fitted"):
+        t.add_column(col, justify="right")
+    rows = [(str(x["layer"]), x) for x in report["layers"]] + [("mean", report["mean"])]
+    for name, x in rows:
+        t.add_row(name, f"{x['before']:.3f}", f"{x['after']:.3f}", f"{x['after'] - x['before']:+.3f}",
+                  f"{x['fit_before']:.3f}", f"{x['fit_after']:.3f}", end_section=name == rows[-2][0])
+    console.print(t)
+    _write_json(json_out, {"artifact": str(path), **report})
+    console.print(f"wrote artifact {path}")
 
 
 @app.command()

@@ -40,6 +40,7 @@ class Prefill:
 
 def make_cache(lm: LoadedModel, method: Method, max_len: int, dense_layers=()) -> SparseCache:
     rotary = find_rotary(lm.model) if method.needs_pre_rope else None
+    method.bind(lm)
     return SparseCache(method, lm.num_layers, lm.q_heads, max_len, dense_layers=dense_layers, rotary=rotary)
 
 

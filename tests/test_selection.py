@@ -97,7 +97,7 @@ def test_block_and_csr_selections_expand_to_the_same_tokens():
 
 
 def test_unknown_method_and_option_are_clear():
-    with pytest.raises(SparseKVError, match="unknown method 'nope'; available: dense"):
+    with pytest.raises(SparseKVError, match="unknown method .nope.; available: .*dense"):
         get_method("nope")
     with pytest.raises(SparseKVError, match="no option"):
         get_method("oracle", budget=8, bogus=1)

@@ -69,6 +69,9 @@ class Method:
         return None
 
     # -- online ----------------------------------------------------------------------------------------------
+    def bind(self, lm: Any) -> None:
+        """Called by the runtime with the LoadedModel before use: a method with an artifact checks it fits."""
+
     def new_state(self, layer: int, shape: CacheShape) -> LayerState:
         return LayerState()
 

@@ -1,0 +1,374 @@
+"""Adamas kernels in Triton (paper: shared/papers/adamas.txt, Algorithm 1 lines 1-3 and 5).
+
+quantize_pack(_into)  Hadamard transform + bucketize + pack, fused: one program per (batch, head, block of rows)
+                      multiplies its rows by the ±1 Hadamard matrix whose columns were permuted beforehand so that
+                      output column w·PW2 + i is dimension w·PW + i (PW codes per word, PW2 its next power of two,
+                      padded columns zero). The fp32 result, reshaped [rows, words, PW2], is compared with the
+                      thresholds and each code shifted to bit `bits·i` and summed: the words come out of registers
+                      with no intermediate tensor in memory. Keys are written straight into the cache state.
+code_distance         Σ_dims |qc - kc| (or (qc - kc)²) of each query's codes against the first `length` keys' codes.
+code_scores           the same, negated (higher = closer) in fp16/fp32 for the shared top-k, optionally pooled over
+                      the GQA group, so the selection needs no separate pooling pass.
+
+Code layout (kernels/reference.py is the spec): code i of a word's group at bits [bits·i, bits·(i+1)); 16 codes per
+int16 for bits=1, 8 for bits=2, 5 for bits=3 (bit 15 unused); code = number of thresholds strictly below the value.
+
+The 2-bit L1 fast path (the paper's configuration) works on 32-bit lanes of 16 codes (two int16 words read as one
+int32 when the row has an even word count). For codes a, b in {0..3}, |a - b| = Σ_t [a > t] xor [b > t] (thermometer
+code), and the three thermometer bits of every 2-bit field are (hi | lo), hi, (hi & lo). So a lane's 16 distances are
+three xors and one add (each 2-bit field holds a sum <= 3, no carry), then a SWAR horizontal sum (2 -> 4 -> 8 bits,
+bytes summed over the row, then 8 -> 32 bits once per key): ~10 integer ops per 16 codes and query head, instead of
+~5 per code. The key's (hi, lo) are computed once and reused by the whole query group, whose query heads loop over
+the key tile loaded once (GQA: each KV head's words are read once). Other (bits, metric) unpack the key tile once
+into codes [keys, words, PW2] and take |d| or d² code by code (the ablations: correct, not tuned).
+
+H100 budget at 131072 keys x 8 KV heads x 16 words (D 128): 33.5 MB read, ~10 µs at 3.35 TB/s. With 4 query heads per
+KV head the fast path is ~0.3 G integer instructions (~20 µs at Hopper's 64 INT32 lanes/SM/clock), so it is
+compute-bound near the bandwidth floor; per-query-head int32 output adds 16.8 MB of writes, which is why
+code_scores(pool=...) writes one fp16 row per KV head (4.2 MB) instead.
+
+References: kernels/reference.py::adamas_bucketize_reference, adamas_pack_reference, adamas_distance_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .hadamard import _prec, hadamard_signs
+from .reference import _per_word, hadamard_matrix
+
+_POOLS = {None: 0, "sum": 1, "min": 2}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantize + pack
+
+
+@triton.jit
+def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, scale,
+                          stride_xb, stride_xh, stride_xn, stride_ob, stride_oh, stride_on, stride_th,
+                          D: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                          PW2: tl.constexpr, T: tl.constexpr, TRANSFORM: tl.constexpr, PREC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_WC: tl.constexpr,
+                          N_WC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = rows < n
+    x_base = X + b * stride_xb + h * stride_xh
+    o_base = OUT + b * stride_ob + h * stride_oh + start * stride_on
+    th_base = TH + (h // rep) * stride_th
+    slot = tl.arange(0, PW2)
+    if TRANSFORM:
+        dd = tl.arange(0, BLOCK_D)
+        x = tl.load(x_base + rows[:, None] * stride_xn + dd[None, :], mask=r_ok[:, None] & (dd < D)[None, :],
+                    other=0.0)
+    for wc in tl.static_range(N_WC):
+        w = wc * BLOCK_WC + tl.arange(0, BLOCK_WC)
+        dim = w[:, None] * PW + slot[None, :]  # [BLOCK_WC, PW2]
+        valid = (slot < PW)[None, :] & (dim < D)  # padding codes stay 0
+        if TRANSFORM:
+            cols = wc * (BLOCK_WC * PW2) + tl.arange(0, BLOCK_WC * PW2)
+            s = tl.load(S + dd[:, None] * (N_WC * BLOCK_WC * PW2) + cols[None, :])  # zero-padded: no mask
+            y = tl.dot(x, s, input_precision=PREC) * scale  # fp32 [BLOCK_M, BLOCK_WC * PW2]
+            y = tl.reshape(y, [BLOCK_M, BLOCK_WC, PW2])
+        else:
+            y = tl.load(x_base + rows[:, None, None] * stride_xn + dim[None, :, :],
+                        mask=r_ok[:, None, None] & valid[None, :, :], other=0.0).to(tl.float32)
+        code = tl.zeros([BLOCK_M, BLOCK_WC, PW2], tl.int32)
+        for t in tl.static_range(T):
+            code += (y > tl.load(th_base + t)).to(tl.int32)  # eq. 5: B(x) = Σ_i 1[x > B_i]
+        code = tl.where(valid[None, :, :], code, 0)
+        word = tl.sum(code << (slot * BITS)[None, None, :], axis=2)  # disjoint bit fields: sum == or
+        word = tl.where(word >= 32768, word - 65536, word)  # the int16 with the same bits
+        tl.store(o_base + rows[:, None] * stride_on + w[None, :], word.to(tl.int16),
+                 mask=r_ok[:, None] & (w < W)[None, :])
+
+
+def _layout(D: int, bits: int) -> tuple[int, int, int, int, int]:
+    """(PW, PW2, W, BLOCK_WC, N_WC): codes per word, its power of two, words per row, words per chunk, chunks."""
+    PW = _per_word(bits)
+    PW2 = triton.next_power_of_2(PW)
+    W = triton.cdiv(D, PW)
+    BLOCK_WC = max(16 // PW2, min(triton.next_power_of_2(W), 128 // PW2))  # a chunk is 16..128 dot columns
+    return PW, PW2, W, BLOCK_WC, triton.cdiv(W, BLOCK_WC)
+
+
+def _permuted_signs(D: int, bits: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """±1 Hadamard matrix [BLOCK_D, N_WC·BLOCK_WC·PW2]: column w·PW2 + i is dim w·PW + i (zero where padding)."""
+    PW, PW2, W, BLOCK_WC, N_WC = _layout(D, bits)
+    c = torch.arange(N_WC * BLOCK_WC * PW2)
+    w, i = c // PW2, c % PW2
+    dim = w * PW + i
+    perm = torch.where((i < PW) & (dim < D), dim, -1)
+    return hadamard_signs(D, dtype, device, rows=max(16, triton.next_power_of_2(D)), cols=len(perm), perm=perm,
+                          key=("adamas", bits))
+
+
+def _thresholds(thresholds: torch.Tensor, H: int, bits: int, device) -> tuple[torch.Tensor, int, int]:
+    """(fp32 contiguous thresholds, row stride, rep): head h reads row h // rep (rep = H // rows), or the one row."""
+    T = (1 << bits) - 1
+    th = thresholds
+    if th.shape[-1] != T or th.dim() not in (1, 2):
+        raise ValueError(f"bits={bits} needs thresholds [{T}] or [heads, {T}], got {tuple(th.shape)}")
+    if th.dtype != torch.float32 or th.device != device or not th.is_contiguous():
+        th = th.to(device=device, dtype=torch.float32).contiguous()  # store them like this to skip the copy
+    if th.dim() == 1:
+        return th, 0, 1
+    if H % th.shape[0]:
+        raise ValueError(f"{th.shape[0]} threshold rows do not divide {H} heads")
+    return th, th.stride(0), H // th.shape[0]
+
+
+def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor, start: int,
+                       bits: int = 2, transform: bool = True, *, block_m: int | None = None,
+                       num_warps: int = 4) -> None:
+    """Codes of x [B, H, n, D] (Hadamard first if `transform`) packed into out_words[:, :, start:start + n] in place.
+
+    out_words: int16 [B, H, Lmax, W] (the cache state; other slots are not touched). thresholds: fp32 [H, 2^bits - 1]
+    ascending per head, [Ht, 2^bits - 1] with H % Ht == 0 (head h uses row h // (H // Ht)), or shared [2^bits - 1];
+    ±inf allowed. Same codes as adamas_pack_reference(adamas_bucketize_reference(hadamard_reference(x)...)), up to
+    values within float rounding of a threshold.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    B, H, n, D = x.shape
+    PW, PW2, W, BLOCK_WC, N_WC = _layout(D, bits)
+    if (out_words.dtype != torch.int16 or out_words.dim() != 4 or tuple(out_words.shape[:2]) != (B, H)
+            or out_words.shape[3] != W or out_words.stride(-1) != 1):
+        raise ValueError(f"out_words must be int16 [{B}, {H}, Lmax, {W}] with contiguous words, "
+                         f"got {out_words.dtype} {tuple(out_words.shape)}")
+    if not 0 <= start or start + n > out_words.shape[2]:
+        raise ValueError(f"positions [{start}, {start + n}) do not fit out_words of length {out_words.shape[2]}")
+    if n == 0:
+        return
+    th, stride_th, rep = _thresholds(thresholds, H, bits, x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if transform:
+        hadamard_matrix(D)  # ValueError for unsupported dims
+        S = _permuted_signs(D, bits, x.dtype, x.device)
+    else:
+        S = th  # unused
+    BLOCK_M = block_m or (64 if n >= 64 else 16)
+    grid = (triton.cdiv(n, BLOCK_M), B * H)
+    _quantize_pack_kernel[grid](
+        x, S, th, out_words, n, H, rep, start, D ** -0.5,
+        x.stride(0), x.stride(1), x.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
+        stride_th,
+        D=D, W=W, BITS=bits, PW=PW, PW2=PW2, T=(1 << bits) - 1, TRANSFORM=transform, PREC=_prec(x.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_WC=BLOCK_WC, N_WC=N_WC,
+        num_warps=num_warps,
+    )
+
+
+def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True,
+                  **tuning) -> torch.Tensor:
+    """Fused (Hadamard if `transform`) + bucketize + pack: x [B, H, n, D] -> int16 words [B, H, n, W]."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
+    B, H, n, D = x.shape
+    out = torch.empty(B, H, n, triton.cdiv(D, _per_word(bits)), dtype=torch.int16, device=x.device)
+    quantize_pack_into(x, thresholds, out, 0, bits=bits, transform=transform, **tuning)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# code distances
+
+
+@triton.jit
+def _l1_2bit_lanes(k_hi, k_lo, q):
+    """Per-lane sum of |a - b| over the 16 (or 8) 2-bit fields of key lanes (given as hi/lo bit planes at even
+    positions) and one query lane q [BW]: [BL, BW] int32 with one partial sum (<= 12) per byte."""
+    q_lo = q & 0x55555555
+    q_hi = (q >> 1) & 0x55555555
+    s = (((k_hi | k_lo) ^ (q_hi | q_lo)[None, :]) + (k_hi ^ q_hi[None, :])
+         + ((k_hi & k_lo) ^ (q_hi & q_lo)[None, :]))  # thermometer bits [>0], [>1], [>2]: field sum <= 3
+    s = (s & 0x33333333) + ((s >> 2) & 0x33333333)  # 4-bit fields <= 6 (the >> may smear the sign into bits 30-31)
+    return (s + (s >> 4)) & 0x0F0F0F0F  # bytes <= 12
+
+
+@triton.jit
+def _bytes_to_int(acc):
+    """Sum of the four bytes of each int32 (each <= 255, all >= 0)."""
+    acc = (acc & 0x00FF00FF) + ((acc >> 8) & 0x00FF00FF)
+    return (acc & 0xFFFF) + (acc >> 16)
+
+
+@triton.jit
+def _fields(words, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr):
+    """16-bit words [..., BW] (>= 0) -> their codes [..., BW, PW2] (slots >= PW read 0)."""
+    slot = tl.arange(0, PW2)
+    f = (tl.expand_dims(words, -1) >> (slot * BITS)) & ((1 << BITS) - 1)
+    return tl.where(slot < PW, f, 0)
+
+
+@triton.jit
+def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr, L2: tl.constexpr):
+    """Σ over fields of |kc - qc| or (kc - qc)²: key codes kf [BL, BW, PW2], query words q [BW] (16 bits, >= 0)."""
+    d = kf - _fields(q, BITS, PW, PW2)[None, :, :]
+    if L2:
+        d = d * d
+    else:
+        d = tl.abs(d)
+    return tl.sum(tl.sum(d, axis=2), axis=1)
+
+
+@triton.jit
+def _code_distance_kernel(QW, KW, OUT, length, Hkv,
+                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
+                          G: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, LANES32: tl.constexpr,
+                          BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr,
+                          L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
+                          BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
+    pid_l = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kv = bh % Hkv
+    keys = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    k_ok = keys < length
+    w = tl.arange(0, BLOCK_W)
+    w_ok = w < NW
+    # the key tile, read once for the whole query group; padding words read as 0 (code 0 on both sides: adds 0)
+    k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
+                mask=k_ok[:, None] & w_ok[None, :], other=0)
+    if FAST:
+        k = k.to(tl.int32)
+        if not LANES32:
+            k = k & 0xFFFF  # int16 words sign-extend: keep their 16 bits only
+        k_lo = k & 0x55555555
+        k_hi = (k >> 1) & 0x55555555
+    else:  # unpacked once per key tile, shared by the query group
+        kf = _fields(k.to(tl.int32) & 0xFFFF, BITS, PW, PW2)
+    q_base = QW + b * stride_qb + (kv * G) * stride_qh
+    o_base = OUT + b * stride_ob
+    if POOL == 2:
+        pooled = tl.full([BLOCK_L], 2147483647, tl.int32)
+    else:
+        pooled = tl.zeros([BLOCK_L], tl.int32)
+    for g in tl.static_range(G):
+        q = tl.load(q_base + g * stride_qh + w, mask=w_ok, other=0)
+        if FAST:
+            q = q.to(tl.int32)
+            if not LANES32:
+                q = q & 0xFFFF
+            part = _l1_2bit_lanes(k_hi, k_lo, q)
+            if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
+                dist = _bytes_to_int(tl.sum(part, axis=1))
+            else:
+                dist = tl.sum(_bytes_to_int(part), axis=1)
+        else:
+            dist = _dist_generic(kf, q.to(tl.int32) & 0xFFFF, BITS, PW, PW2, L2)
+        if POOL == 0:
+            val = dist
+            if NEGATE:
+                val = (-dist).to(tl.float32)
+            tl.store(o_base + (kv * G + g) * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
+        elif POOL == 1:
+            pooled += dist
+        else:
+            pooled = tl.minimum(pooled, dist)
+    if POOL != 0:
+        val = pooled
+        if NEGATE:
+            val = (-pooled).to(tl.float32)
+        tl.store(o_base + kv * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
+
+
+def _as_lanes(words: torch.Tensor) -> torch.Tensor | None:
+    """The same words read as int32 pairs (two int16 words per lane), or None when the layout does not allow it."""
+    if words.shape[-1] % 2 or words.stride(-1) != 1:
+        return None
+    try:
+        return words.view(torch.int32)
+    except RuntimeError:  # odd storage offset or stride
+        return None
+
+
+def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps):
+    if metric not in ("l1", "l2"):
+        raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
+    if pool not in _POOLS:
+        raise ValueError(f"pool must be None, 'sum' or 'min', got {pool!r}")
+    pw = _per_word(bits)
+    W = triton.cdiv(d, pw)
+    if q_words.dtype != torch.int16 or k_words.dtype != torch.int16:
+        raise ValueError("q_words and k_words must be int16")
+    if q_words.dim() == 4 and q_words.shape[2] == 1:
+        q_words = q_words[:, :, 0]
+    B, Hq, Wq = q_words.shape
+    if k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W or Wq != W:
+        raise ValueError(f"expected q_words [B, Hq, {W}] and k_words [B, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
+                         f"got {tuple(q_words.shape)} and {tuple(k_words.shape)}")
+    Hkv = k_words.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if not 0 <= length <= k_words.shape[2]:
+        raise ValueError(f"length {length} is outside the key buffer's {k_words.shape[2]} slots")
+    G = Hq // Hkv
+    H_out = Hkv if pool is not None else Hq
+    out = torch.empty(B, H_out, length, dtype=out_dtype, device=q_words.device)
+    if length == 0 or B == 0:
+        return out
+    if q_words.stride(-1) != 1:
+        q_words = q_words.contiguous()
+    if k_words.stride(-1) != 1:
+        k_words = k_words.contiguous()
+    fast = bits == 2 and metric == "l1"
+    qw, kw = q_words, k_words
+    if fast:
+        q32, k32 = _as_lanes(q_words.contiguous()), _as_lanes(k_words)
+        if q32 is not None and k32 is not None:
+            qw, kw = q32, k32
+    NW = qw.shape[-1]
+    BLOCK_W = triton.next_power_of_2(NW)
+    if fast:  # [BLOCK_L, BLOCK_W] lanes live in registers across the group loop
+        BLOCK_L = block_l or (256 if G <= 4 else 128)
+    else:  # the unpacked key tile [BLOCK_L, BLOCK_W, PW2] does: about 8K codes per program
+        BLOCK_L = block_l or max(16, 8192 // (BLOCK_W * triton.next_power_of_2(pw)))
+    grid = (triton.cdiv(length, BLOCK_L), B * Hkv)
+    _code_distance_kernel[grid](
+        qw, kw, out, length, Hkv,
+        qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
+        G=G, NW=NW, FAST=fast, LANES32=qw.dtype == torch.int32, BYTE_SUM=fast and NW * 12 <= 255, BITS=bits, PW=pw,
+        PW2=triton.next_power_of_2(pw), L2=metric == "l2",
+        POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
+    )
+    return out
+
+
+def code_distance(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
+                  metric: str = "l1", *, pool: str | None = None, block_l: int | None = None,
+                  num_warps: int = 4) -> torch.Tensor:
+    """Code distances int32 [B, Hq, length] (smaller = closer): q_words [B, Hq, W] (or [B, Hq, 1, W]) against the
+    first `length` rows of k_words [B, Hkv, Lmax, W]; query head h reads KV head h // (Hq // Hkv).
+
+    pool="sum" / "min" reduces over each KV head's query group in the kernel -> [B, Hkv, length].
+    Same contract as adamas_distance_reference. A sliced k_words (e.g. k_words[:, :, sink:]) is fine.
+    """
+    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int32, False, block_l, num_warps)
+
+
+def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
+                metric: str = "l1", *, pool: str | None = None, dtype: torch.dtype | None = None,
+                block_l: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """Negated code distances as floats (higher = closer), ready for the shared top-k: -code_distance(...).
+
+    dtype defaults to fp16 when every possible value is an exact fp16 integer (|score| <= 2048: L1 up to
+    d·(2^bits - 1) summed over the pooled group), else fp32. fp16 halves the bytes written and read by the top-k
+    and lets the radix select finish in fewer digit passes; ties keep the top-k's lower-index order.
+    """
+    if dtype is None:
+        Hkv = k_words.shape[1]
+        g = q_words.shape[1] // max(Hkv, 1) if pool == "sum" else 1
+        top = (1 << bits) - 1
+        worst = d * (top if metric == "l1" else top * top) * g
+        dtype = torch.float16 if worst <= 2048 else torch.float32
+    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, dtype, True, block_l, num_warps)

@@ -1,0 +1,193 @@
+"""Adamas (Yan et al., 2025; shared/papers/adamas.txt): Hadamard transform, 2-bit bucket codes, L1 distance, top-k.
+
+Algorithm 1 of the paper, as `append` and `select` run it: every key is transformed (H_K = KH, line 1), bucketized
+into {0..3}^d by thresholds B1 < B2 < B3 (line 2, Eq. 5: code = #thresholds strictly below the value) and packed 8
+codes per int16 (line 3) into a buffer beside K/V (line 4). At a decode step the query goes through the same three
+steps; the Manhattan distance between its codes and every key's (line 5, Eq. 6) ranks the keys and the top-k
+closest are attended (lines 6-8, the shared top-k and sparse decode).
+
+Defaults and where they come from:
+- thresholds (-10, 0, 10): the paper only says "predefined"; the authors' code fixes these for every model, layer
+  and head (FibonaccciYan/Adamas: kernels/include/decode/decode_page.cuh `thresholds[3] = {-10, 0, 10}`, and
+  evaluation/adamas_attention.py), applied to the orthonormal Hadamard transform (HadaCore, scale 1/sqrt(d)) of the
+  post-RoPE q/k. The paper's 1-/3-bit ablations give no thresholds: we use (0,) and (-15, -10, ..., 15), which
+  contain the 2-bit ones, so more bits only refine the codes. `sparsekv calibrate` fits per-(layer, KV head)
+  thresholds to a model instead (`artifact=`).
+- sink 0, window 1: the authors' decode kernel (page size 1) always attends the last page, i.e. the newest token,
+  and picks the other budget - 1 keys by distance; there is no attention sink. The budget counts all of them.
+- The authors keep layers 0 and 1 dense (`skip_layer = 2`); here that is the runtime's `--dense-layers 0,1`.
+GQA: the query heads of a group use their KV head's thresholds; pooling "group" sums their negated distances and
+makes one choice per KV head, "head" chooses per query head (what the authors' repeat_kv implementation does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_distance_reference,
+                                        adamas_pack_reference, hadamard_matrix)
+
+from ..artifacts import load_artifact
+from ..errors import SparseKVError
+from ..selection import Selection, pool_scores, topk_selection
+from ..sparse_attention import use_kernels
+from .base import CacheShape, LayerState, Method, register
+
+FIXED_THRESHOLDS = {1: (0.0,), 2: (-10.0, 0.0, 10.0), 3: (-15.0, -10.0, -5.0, 0.0, 5.0, 10.0, 15.0)}
+DISTANCES = ("l1", "l2")
+
+
+@dataclass
+class AdamasState(LayerState):
+    codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, W]: packed codes of every key, valid up to length
+    thresholds: torch.Tensor | None = None  # fp32 [Hkv, 2^bits - 1]: this layer's B1..B3 per KV head (and group)
+
+
+@register
+class Adamas(Method):
+    name = "adamas"
+    summary = "Hadamard + 2-bit codes, L1 distance -> top-k tokens (Adamas)"
+    default_sink = 0
+    default_window = 1
+
+    def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
+                 pooling: str = "group", artifact: str | Path | None = None,
+                 thresholds: Sequence[float] | torch.Tensor | None = None, hadamard: bool | None = None,
+                 bits: int | None = None, distance: str | None = None, **options: Any):
+        """`hadamard`, `bits`, `distance` left as None take the artifact's settings, else the paper's
+        (True, 2, "l1"). An artifact's bits and transform cannot be overridden: its thresholds live in that space."""
+        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
+        if artifact is not None and thresholds is not None:
+            raise SparseKVError("adamas: give an artifact or explicit thresholds, not both")
+        self.artifact = None if artifact is None else str(artifact)
+        self._table: torch.Tensor | None = None  # [layers, Hkv, 2^bits - 1] from the artifact
+        fitted: dict = {}
+        if self.artifact is not None:  # read now, so a bad path fails before a model is loaded
+            art = load_artifact(self.artifact, method=self.name)
+            fitted = art.config
+            self._table = art.tensors.get("thresholds", {}).get("thresholds")
+            if self._table is None:
+                raise SparseKVError(f"adamas: the artifact at {self.artifact} holds no thresholds (not a calibration)")
+        for key, given in (("hadamard", hadamard), ("bits", bits)):
+            if given is not None and key in fitted and given != fitted[key]:
+                raise SparseKVError(f"adamas: the artifact at {self.artifact} was fitted with {key}={fitted[key]}; "
+                                    f"it cannot be used with {key}={given}")
+        self.hadamard = bool(fitted.get("hadamard", True) if hadamard is None else hadamard)
+        self.bits = int(fitted.get("bits", 2) if bits is None else bits)
+        self.distance = str(fitted.get("distance", "l1") if distance is None else distance)
+        if self.bits not in FIXED_THRESHOLDS:
+            raise SparseKVError(f"adamas: bits must be 1, 2 or 3, got {self.bits}")
+        if self.distance not in DISTANCES:
+            raise SparseKVError(f"adamas: unknown distance {self.distance!r}: use 'l1' or 'l2'")
+        n = 2**self.bits - 1
+        if self._table is not None:
+            if self._table.ndim != 3 or self._table.shape[-1] != n:
+                raise SparseKVError(f"adamas: the artifact at {self.artifact} holds thresholds of shape "
+                                    f"{list(self._table.shape)}, expected [layers, kv_heads, {n}]")
+            self._table = check_thresholds(self._table.float(), n, f"the artifact at {self.artifact}")
+            self.thresholds = None
+        else:
+            given = FIXED_THRESHOLDS[self.bits] if thresholds is None else thresholds
+            self.thresholds = check_thresholds(torch.as_tensor(given, dtype=torch.float32).flatten(), n,
+                                               "thresholds")
+        self._bound = None  # the model the artifact was checked against
+
+    # -- runtime hook --------------------------------------------------------------------------------------------
+    def bind(self, lm) -> None:
+        """Refuse an artifact fitted on another model (one line from the artifact store naming what differs)."""
+        if self.artifact is None or self._bound is lm:
+            return
+        load_artifact(self.artifact, method=self.name, model_fingerprint=lm.fingerprint(), verify=False)
+        self._bound = lm
+
+    # -- Algorithm 1 -----------------------------------------------------------------------------------------------
+    def new_state(self, layer: int, shape: CacheShape) -> AdamasState:
+        if self.hadamard:
+            hadamard_for(shape.head_dim, shape.device)  # fail on the first layer, naming the dim
+        thr = self.layer_thresholds(layer, shape.kv_heads).to(shape.device)
+        words = adamas_pack_reference(torch.zeros(1, shape.head_dim, dtype=torch.uint8), self.bits).shape[-1]
+        codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
+                            device=shape.device)
+        return AdamasState(codes=codes, thresholds=thr.contiguous())
+
+    def append(self, state: AdamasState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
+        """Lines 1-4 for keys [B, Hkv, n, D] at positions [pos, pos + n): their codes go into the cache."""
+        if use_kernels(k.device):
+            from sparsekv.kernels.adamas import quantize_pack_into
+
+            quantize_pack_into(k, state.thresholds, state.codes, pos, bits=self.bits, transform=self.hadamard)
+        else:
+            state.codes[:, :, pos : pos + k.shape[2]] = self.encode(k, state.thresholds)
+
+    def select(self, state: AdamasState, q: torch.Tensor, q_pre_rope) -> Selection:
+        """Lines 1-3 for the query (its group's thresholds), line 5 against keys [sink, length - window), top-k."""
+        split = self.split(state.length)
+        if split.dense:
+            return Selection(state.length, dense=True)
+        D = q.shape[-1]
+        lo, hi = split.sink, state.length - split.window
+        if use_kernels(q.device):
+            from sparsekv.kernels.adamas import code_scores, quantize_pack
+
+            q_words = quantize_pack(q, state.thresholds, bits=self.bits, transform=self.hadamard)
+            scores = code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
+                                 pool="sum" if self.pooling == "group" else None)  # -distance, pooled in-kernel
+        else:
+            q_words = self.encode(q, state.thresholds)[:, :, 0]
+            dist = adamas_distance_reference(q_words, state.codes[:, :, lo:hi], D, bits=self.bits,
+                                             metric=self.distance)
+            scores = pool_scores(-dist.float(), state.codes.shape[1], self.pooling)  # closer codes score higher
+        return topk_selection(scores, split, state.length)
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+        """x [B, H, n, D] -> packed codes [B, H, n, W] (torch reference of lines 1-3); thresholds [Hkv, T] serve
+        x's heads in groups (query heads use their KV head's row)."""
+        x = x.float()
+        if self.hadamard:
+            x = x @ hadamard_for(x.shape[-1], x.device)
+        return adamas_pack_reference(adamas_bucketize_reference(x, thresholds, bits=self.bits), bits=self.bits)
+
+    def layer_thresholds(self, layer: int, kv_heads: int) -> torch.Tensor:
+        """[kv_heads, 2^bits - 1]: the artifact's for this layer, else the fixed ones for every head."""
+        if self._table is None:
+            return self.thresholds.expand(kv_heads, -1).clone()
+        if self._bound is None:
+            raise SparseKVError("adamas: the artifact is not checked against a model; call method.bind(model) "
+                                "before use (decode.make_cache does)")
+        L, H, _ = self._table.shape
+        if not 0 <= layer < L or H != kv_heads:
+            raise SparseKVError(f"adamas: the artifact at {self.artifact} has thresholds for {L} layers x {H} KV "
+                                f"heads; layer {layer} with {kv_heads} KV heads asked")
+        return self._table[layer].clone()
+
+    def config(self) -> dict[str, Any]:
+        cfg = super().config()
+        cfg.update(hadamard=self.hadamard, bits=self.bits, distance=self.distance, artifact=self.artifact,
+                   thresholds="artifact (per layer and KV head)" if self._table is not None
+                   else self.thresholds.tolist())
+        return cfg
+
+
+def check_thresholds(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """n thresholds per row, non-decreasing, no NaN (±inf are allowed: an empty or catch-all bucket)."""
+    if t.shape[-1] != n:
+        raise SparseKVError(f"adamas: {what} must have {n} values per head for these bits, got {t.shape[-1]}")
+    if torch.isnan(t).any():
+        raise SparseKVError(f"adamas: {what} contain NaN")
+    if (t[..., 1:] < t[..., :-1]).any():
+        raise SparseKVError(f"adamas: {what} must be non-decreasing (B1 <= B2 <= ...)")
+    return t
+
+
+def hadamard_for(d: int, device: torch.device | str) -> torch.Tensor:
+    """The orthonormal H_d in fp32 (cached by the reference); a clear error for dims it does not exist for."""
+    try:
+        return hadamard_matrix(d, torch.float32, device)
+    except ValueError as e:
+        raise SparseKVError(f"adamas: no Hadamard transform for head dim {d} ({e}); "
+                            f"use hadamard=False (--no-hadamard)") from None

@@ -1,0 +1,294 @@
+"""Adamas: codes and selection on a hand-built example, dense equivalence, ±inf thresholds, and the calibrate ->
+artifact -> eval pipeline on tiny-random (fit quality, fingerprint refusal, ablations)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsekv.activations import dump_activations, load_activations
+from sparsekv.artifacts import ArtifactError
+from sparsekv.calibrate import _Block, _Objective, calibrate_adamas, codes, save_calibration
+from sparsekv.decode import generate
+from sparsekv.errors import SparseKVError
+from sparsekv.eval.runner import RunSpec, run_task
+from sparsekv.kernels.reference import (adamas_distance_reference, adamas_pack_reference, hadamard_matrix)
+from sparsekv.methods import CacheShape, get_method
+from sparsekv.methods.adamas import FIXED_THRESHOLDS
+from sparsekv.models import tiny_random
+
+TEXT = ("Adamas applies the Hadamard transform, bucketization and 2-bit compression to queries and keys, then ranks "
+        "the keys by the Manhattan distance between codes. ")
+
+
+# -- the hand-built example ------------------------------------------------------------------------------------------
+# D = 8, thresholds (-1, 0, 1): the values -2, -0.5, 0.5, 2 in the Hadamard domain have codes 0, 1, 2, 3.
+# Two query heads share one KV head. qA's codes are [3,3,3,3,0,0,0,0], qB's are all 3. Keys 0..6 (key 7 is the
+# recent window) have the codes below; their L1 distances to qA / qB and the group's sum are:
+#   key  codes               dA  dB  sum
+#   0    3 3 3 3  0 0 0 0     0  12   12
+#   1    0 0 0 0  0 0 0 0    12  24   36
+#   2    3 3 3 2  3 3 3 3    13   1   14
+#   3    1 1 3 3  0 0 0 0     4  16   20
+#   4    3 3 2 2  0 0 0 0     2  14   16
+#   5    2 2 2 0  2 2 2 2    14  10   24
+#   6    2 2 2 3  0 0 0 0     3  15   18
+# Budget 4 = window 1 + 3 chosen: group pooling picks {0, 2, 4}; per head, qA picks {0, 4, 6} and qB {0, 2, 5}.
+LEVEL = torch.tensor([-2.0, -0.5, 0.5, 2.0])
+Q_CODES = [[3, 3, 3, 3, 0, 0, 0, 0], [3] * 8]
+K_CODES = [[3, 3, 3, 3, 0, 0, 0, 0], [0] * 8, [3, 3, 3, 2, 3, 3, 3, 3], [1, 1, 3, 3, 0, 0, 0, 0],
+           [3, 3, 2, 2, 0, 0, 0, 0], [2, 2, 2, 0, 2, 2, 2, 2], [2, 2, 2, 3, 0, 0, 0, 0], [0] * 8]
+DIST = [[0, 12, 13, 4, 2, 14, 3, 12], [12, 24, 1, 16, 14, 10, 15, 24]]
+
+
+def hand_built(hadamard=True, rotate=True, **options):
+    """The example through `append` and `select`; returns (method, state, selection)."""
+    H = hadamard_matrix(8)
+    q = LEVEL[torch.tensor(Q_CODES)]
+    k = LEVEL[torch.tensor(K_CODES)]
+    if rotate:  # x = y Hᵀ has Hadamard transform x H = y (H is orthonormal)
+        q, k = q @ H.T, k @ H.T
+    m = get_method("adamas", budget=4, thresholds=(-1, 0, 1), hadamard=hadamard, **options)
+    st = m.new_state(0, CacheShape(1, 1, 2, 8, 16, torch.float32, torch.device("cpu")))
+    st.keys = torch.zeros(1, 1, 16, 8)
+    st.keys[0, 0, :8] = k
+    m.append(st, k.view(1, 1, 8, 8), k.view(1, 1, 8, 8), None, 0)
+    st.length = 8
+    return m, st, m.select(st, q.view(1, 2, 1, 8), None)
+
+
+def test_hand_built_codes_and_selection():
+    m, st, sel = hand_built()
+    assert torch.equal(st.codes[0, 0, :8], adamas_pack_reference(torch.tensor(K_CODES), bits=2))
+    q_words = adamas_pack_reference(torch.tensor(Q_CODES), bits=2).view(1, 2, -1)
+    assert adamas_distance_reference(q_words, st.codes[:, :, :8], 8).tolist() == [DIST]
+    assert (sel.sink, sel.window, sel.length) == (0, 1, 8)
+    assert sorted(sel.indices[0, 0].tolist()) == [0, 2, 4]
+    _, _, per_head = hand_built(pooling="head")
+    assert [sorted(r) for r in per_head.indices[0].tolist()] == [[0, 4, 6], [0, 2, 5]]
+
+
+def test_hand_built_without_transform_and_transform_matters():
+    _, _, raw = hand_built(hadamard=False, rotate=False)  # codes of the raw values: the same example
+    assert sorted(raw.indices[0, 0].tolist()) == [0, 2, 4]
+    _, st, _ = hand_built(hadamard=True, rotate=False)  # the transform must be applied to the keys
+    assert not torch.equal(st.codes[0, 0, :8], adamas_pack_reference(torch.tensor(K_CODES), bits=2))
+
+
+@pytest.mark.parametrize("opts", [{}, {"pooling": "head"}, {"hadamard": False, "rotate": False}])
+def test_kernel_path_selects_the_same(monkeypatch, opts):
+    """The Triton kernels (interpreted on the CPU) give the reference's codes and choices."""
+    _, st_ref, ref = hand_built(**opts)
+    monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    _, st_ker, ker = hand_built(**opts)
+    assert torch.equal(st_ker.codes, st_ref.codes)
+    assert [sorted(r) for r in ker.indices[0].tolist()] == [sorted(r) for r in ref.indices[0].tolist()]
+
+
+@pytest.mark.parametrize("bits,distance", [(1, "l1"), (3, "l1"), (2, "l2")])
+def test_kernel_path_codes_other_bits(monkeypatch, bits, distance):
+    g = torch.Generator().manual_seed(bits)
+    k = torch.randn(1, 2, 40, 20, generator=g)
+    thr = torch.tensor(FIXED_THRESHOLDS[bits]) / 10  # |H k| is about 1 here: make every bucket occur
+    states = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SPARSEKV_KERNELS", flag)
+        m = get_method("adamas", budget=8, bits=bits, distance=distance, thresholds=thr)
+        st = m.new_state(0, CacheShape(1, 2, 4, 20, 48, torch.float32, torch.device("cpu")))
+        m.append(st, k[:, :, :30], k[:, :, :30], None, 0)  # prefill, then one decode step's key
+        m.append(st, k[:, :, 30:31], k[:, :, 30:31], None, 30)
+        states.append(st.codes)
+    assert torch.equal(states[0], states[1]) and len(states[0][:, :, :31].unique()) > 2 ** bits
+
+
+def test_defaults_and_bad_options():
+    cfg = get_method("adamas", budget=64).config()
+    assert cfg["thresholds"] == [-10.0, 0.0, 10.0] and (cfg["sink"], cfg["window"]) == (0, 1)
+    assert (cfg["hadamard"], cfg["bits"], cfg["distance"]) == (True, 2, "l1")
+    for bits in (1, 3):  # more bits refine the 2-bit codes: their thresholds contain the 2-bit ones
+        assert set(FIXED_THRESHOLDS[bits]) <= set(FIXED_THRESHOLDS[3])
+    for opts, msg in [({"bits": 4}, "bits must be 1, 2 or 3"), ({"distance": "cos"}, "unknown distance"),
+                      ({"thresholds": (1, 0, 2)}, "non-decreasing"), ({"thresholds": (0, 1)}, "must have 3"),
+                      ({"thresholds": (0, math.nan, 1)}, "NaN")]:
+        with pytest.raises(SparseKVError, match=msg):
+            get_method("adamas", budget=8, **opts)
+    with pytest.raises(SparseKVError, match="head dim 10"):
+        get_method("adamas", budget=8).new_state(0, CacheShape(1, 1, 1, 10, 8, torch.float32, torch.device("cpu")))
+    get_method("adamas", budget=8, hadamard=False).new_state(
+        0, CacheShape(1, 1, 1, 10, 8, torch.float32, torch.device("cpu")))  # no transform: any dim
+
+
+# -- runtime ---------------------------------------------------------------------------------------------------------
+
+def test_budget_covering_the_context_equals_dense(tiny, prompt_ids):
+    a = generate(tiny, prompt_ids, get_method("adamas", budget=400), 8, keep_logits=True, stop_on_eos=False)
+    d = generate(tiny, prompt_ids, get_method("dense"), 8, keep_logits=True, stop_on_eos=False)
+    assert a.tokens == d.tokens
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, d.logits))
+    assert a.stats["selectivity"] == 1.0
+
+
+def test_sparse_budget_selects_and_differs_from_streaming(tiny, prompt_ids):
+    a = generate(tiny, prompt_ids, get_method("adamas", budget=16), 6, stop_on_eos=False)
+    s = generate(tiny, prompt_ids, get_method("streaming", budget=16), 6, stop_on_eos=False)
+    assert a.stats["mean_attended"] == 16 and a.stats["mean_selected"] == 15 and a.stats["mean_window"] == 1
+    assert a.tokens != s.tokens  # choosing by codes is not the recent window
+
+
+@pytest.mark.parametrize("thr,code", [((-math.inf,) * 3, 3), ((math.inf,) * 3, 0), ((-math.inf, 0, math.inf), None)])
+def test_infinite_thresholds(tiny, prompt_ids, thr, code):
+    runs = [generate(tiny, prompt_ids, get_method("adamas", budget=16, thresholds=thr), 5, stop_on_eos=False)
+            for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens
+    m = get_method("adamas", budget=16, thresholds=thr)
+    st = m.new_state(0, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
+    k = torch.randn(1, 2, 50, 20, generator=torch.Generator().manual_seed(0))
+    m.append(st, k, k, None, 0)
+    st.length = 50
+    sel = m.select(st, torch.randn(1, 6, 1, 20), None)
+    idx = sel.indices
+    assert idx.shape == (1, 2, 15) and idx.min() >= 0 and idx.max() < 49
+    assert all(len(set(r)) == 15 for r in idx[0].tolist())
+    if code is not None:  # every value lands in the same bucket
+        assert torch.equal(st.codes[:, :, :50], adamas_pack_reference(torch.full((1, 2, 50, 20), code), bits=2))
+    else:  # codes 1 + [x > 0]: the same distances, so the same choice, as 1-bit codes at 0
+        one = get_method("adamas", budget=16, bits=1)
+        st1 = one.new_state(0, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
+        one.append(st1, k, k, None, 0)
+        st1.length = 50
+        q = torch.randn(1, 6, 1, 20, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(m.select(st, q, None).indices, one.select(st1, q, None).indices)
+
+
+# -- calibrate -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    from sparsekv.models import load_model
+
+    lm = load_model("tiny-random")
+    ids = lm.tokenizer.encode(TEXT * 8)[:512]
+    path = dump_activations(lm, ids, tmp_path_factory.mktemp("acts") / "d", seq_len=128, queries_per_seq=32,
+                            seed=0, source="test text")
+    return load_activations(path, lm)
+
+
+@pytest.fixture(scope="module")
+def fitted(dump, tmp_path_factory):
+    thr, report = calibrate_adamas(dump, budget=16)
+    root = tmp_path_factory.mktemp("artifacts")
+    path = save_calibration(root, dump, thr, report, per="head", bits=2, hadamard=True, distance="l1", budget=16)
+    return thr, report, path
+
+
+def test_objective_distances_equal_the_reference():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(7, 20, generator=g), torch.randn(30, 20, generator=g)
+    blk = _Block(q, k, torch.zeros(7, 30, dtype=torch.bool), torch.zeros(7, 4, dtype=torch.long))
+    for bits, thr in [(1, [0.1]), (2, [-0.7, 0.0, 0.4]), (3, [-1.5, -1, -0.5, 0, 0.5, 1, 1.5]),
+                      (2, [-math.inf, 0.0, math.inf])]:
+        thr = torch.tensor(thr)
+        qw = adamas_pack_reference(codes(q, thr), bits).view(1, 7, -1)
+        kw = adamas_pack_reference(codes(k, thr), bits).view(1, 1, 30, -1)
+        for metric in ("l1", "l2"):
+            want = adamas_distance_reference(qw, kw, 20, bits, metric)[0]
+            assert torch.equal(_Objective(bits, metric).distances(blk, thr), want.long()), (bits, metric)
+
+
+def test_expected_recall_counts_ties_by_chance():
+    # one query, 6 visible keys (+1 hidden), budget 2, truth = keys {0, 3}. 1-bit codes at threshold 0 on a 1-dim
+    # vector: q code 1; keys 0, 1, 2 code 1 (distance 0), keys 3, 4, 5 code 0 (distance 1). Three keys tie for two
+    # places: key 0 is picked with chance 2/3, key 3 never, so the expected recall is (2/3) / 2.
+    q = torch.tensor([[1.0]])
+    k = torch.tensor([[1.0], [2.0], [3.0], [-1.0], [-2.0], [-3.0], [5.0]])
+    hidden = torch.tensor([[False] * 6 + [True]])
+    blk = _Block(q, k, hidden, torch.tensor([[0, 3]]))
+    got = _Objective(1, "l1").block_recall(blk, torch.tensor([0.0]))
+    assert got.tolist() == pytest.approx([1 / 3])
+    blk = _Block(q, k, hidden, torch.tensor([[0, 3]]))
+    # at -inf every key codes 1: six keys tie for two places, each truth key is picked with chance 1/3
+    assert _Objective(1, "l1").block_recall(blk, torch.tensor([-math.inf])).tolist() == pytest.approx([1 / 3])
+
+
+def test_fit_improves_recall(fitted, dump):
+    thr, report, _ = fitted
+    assert thr.shape == (dump.num_layers, dump.kv_heads, 3)
+    assert (thr[..., 1:] >= thr[..., :-1]).all()
+    for layer in report["layers"]:
+        for head in layer["heads"]:
+            assert head["fit_after"] >= head["fit_before"]
+    # on tiny-random the paper's ±10 never fire (|H k| is about 2), so the fit has room: it must use it
+    assert report["mean"]["fit_after"] > report["mean"]["fit_before"] + 0.05
+    assert report["mean"]["after"] > report["mean"]["before"]
+    assert report["queries_heldout"] > 0 and report["budget"] == 16
+
+
+def test_artifact_then_eval_passkey(fitted, tiny):
+    thr, _, path = fitted
+    res = run_task(tiny, "passkey", RunSpec("adamas", 16, {"artifact": str(path)}), 300, 2)
+    assert res["artifact"] == str(path)
+    assert res["method_config"]["thresholds"].startswith("artifact") and res["selectivity"] < 0.2
+    m = get_method("adamas", budget=16, artifact=path)
+    m.bind(tiny)
+    assert torch.equal(m.layer_thresholds(1, 2), thr[1])
+    with pytest.raises(SparseKVError, match="bits=2"):
+        get_method("adamas", budget=16, artifact=path, bits=3)
+    with pytest.raises(SparseKVError, match="not both"):
+        get_method("adamas", budget=16, artifact=path, thresholds=(-1, 0, 1))
+
+
+def test_artifact_needs_bind_and_refuses_another_model(fitted, prompt_ids):
+    _, _, path = fitted
+    m = get_method("adamas", budget=16, artifact=path)
+    with pytest.raises(SparseKVError, match="bind"):
+        m.new_state(0, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
+    with pytest.raises(ArtifactError, match=r"fitted on another model .*weights_sha256"):
+        generate(tiny_random(seed=1), prompt_ids, m, 3)
+
+
+@pytest.mark.parametrize("opts", [{"hadamard": False}, {"bits": 1}, {"bits": 3}, {"distance": "l2"},
+                                  {"per": "layer"}, {"per": "global"}])
+def test_ablations_calibrate_and_run(dump, tiny, prompt_ids, tmp_path, opts):
+    cal = {"per": "head", "bits": 2, "hadamard": True, "distance": "l1", **opts}
+    thr, report = calibrate_adamas(dump, budget=16, sweeps=1, **cal)
+    assert thr.shape == (dump.num_layers, dump.kv_heads, 2 ** cal["bits"] - 1)
+    assert report["mean"]["fit_after"] >= report["mean"]["fit_before"]
+    if cal["per"] != "head":  # one set shared by every head of a layer (or of the model)
+        assert torch.equal(thr[0, 0], thr[0, 1]) and (cal["per"] == "layer" or torch.equal(thr[0, 0], thr[1, 0]))
+    path = save_calibration(tmp_path, dump, thr, report, budget=16, **cal)
+    m = get_method("adamas", budget=16, artifact=path)
+    assert {k: m.config()[k] for k in ("bits", "hadamard", "distance")} == \
+        {k: cal[k] for k in ("bits", "hadamard", "distance")}
+    g = generate(tiny, prompt_ids, m, 4, stop_on_eos=False)
+    assert len(g.tokens) == 4 and g.stats["mean_attended"] == 16
+
+
+def test_calibrate_bad_input(dump):
+    with pytest.raises(SparseKVError, match="--per"):
+        calibrate_adamas(dump, per="kv")
+    with pytest.raises(SparseKVError, match="queries past position 500"):
+        calibrate_adamas(dump, budget=500)
+
+
+# -- CLI -------------------------------------------------------------------------------------------------------------
+
+def sparsekv(*args):
+    return subprocess.run([sys.executable, "-m", "sparsekv.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_calibrate_then_eval(dump, tmp_path):
+    r = sparsekv("calibrate", "--acts", str(dump.path), "--out", str(tmp_path / "art"), "--budget", "16",
+                 "--json", str(tmp_path / "c.json"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "c.json").read_text())
+    assert out["artifact"] in r.stdout.replace("\n", "") and "mean" in r.stdout
+    assert out["mean"]["fit_after"] >= out["mean"]["fit_before"]
+    r = sparsekv("eval", "--model", "tiny-random", "--method", "adamas", "--artifact", out["artifact"], "--budget",
+                 "16", "--seq", "300", "--n", "1", "--json", str(tmp_path / "e.json"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "e.json").read_text())["artifact"] == out["artifact"]
+    r = sparsekv("calibrate", "--acts", str(dump.path), "--method", "spotlight")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "error: calibrate supports: adamas"
