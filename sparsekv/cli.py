@@ -20,8 +20,9 @@ from rich.table import Table
 from .errors import SparseKVError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Sparse attention over the KV cache of long-context LLMs: dump activations, evaluate "
-                       "(passkey) and generate with dense, oracle top-k and StreamingLLM attention.")
+                  help="Sparse attention over the KV cache of long-context LLMs: dump activations, calibrate, evaluate "
+                       "(passkey, RULER, perplexity, selection recall), bench and generate with dense, oracle top-k, "
+                       "StreamingLLM, Adamas, Quest and SimHash attention.")
 artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect the versioned artifact store.")
 app.add_typer(artifacts_app, name="artifacts")
 console = Console()
@@ -86,40 +87,122 @@ def _write_json(path: Optional[Path], payload) -> None:
 
 def _results_table(results: list[dict], title: str) -> Table:
     t = Table(title=title)
-    for col in ("method", "budget", "seq", "n", "score", "selectivity", "sink/window/selected", "s"):
+    metric = results[0]["metric"] if results else "score"
+    for col in ("method", "budget", "seq", "n", metric, "selectivity", "sink/window/selected", "s"):
         t.add_column(col, justify="right" if col not in ("method",) else "left")
     for r in results:
         parts = [r.get("mean_sink"), r.get("mean_window"), r.get("mean_selected")]
         sws = "-" if r["method"] == "dense" or parts[0] is None else "/".join(f"{p:.0f}" for p in parts)
+        score = f"{r['score']:.3f}" if r["metric"] == "perplexity" else f"{r['score']:.1f}"
         t.add_row(r["method"], "-" if r["budget"] is None else f"{r['budget']:g}", str(r["seq_len"]), str(r["n"]),
-                  f"{r['score']:.1f}", f"{r['selectivity']:.3f}", sws, f"{r['seconds']:.0f}")
+                  score, f"{r['selectivity']:.3f}", sws, f"{r['seconds']:.0f}")
     return t
 
 
-def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: list[int], n: int, seed: int,
-              dense_layers: tuple[int, ...], options: dict) -> list[dict]:
-    from .eval.runner import RunSpec, check_budget, check_task, run_grid
+def _subtask_table(results: list[dict], title: str) -> Table | None:
+    """RULER: one row per subtask, one column per (method, budget, seq) cell."""
+    cells = [r for r in results if r.get("per_subtask")]
+    if not cells:
+        return None
+    t = Table(title=title)
+    t.add_column("subtask")
+    for r in cells:
+        t.add_column(f"{r['method']}" + ("" if r["budget"] is None else f"@{r['budget']:g}") + f"\n{r['seq_len']}",
+                     justify="right")
+    names = list(dict.fromkeys(p["subtask"] for r in cells for p in r["per_subtask"]))
+    for name in names:
+        t.add_row(name, *[next((f"{p['score']:.1f}" for p in r["per_subtask"] if p["subtask"] == name), "-")
+                          for r in cells])
+    t.add_row("[b]average[/b]", *[f"[b]{r['score']:.1f}[/b]" for r in cells])
+    return t
+
+
+def _specs(methods: list[str], budgets: list[float], seqs: list[int], options: dict, always_dense: bool = False):
+    from .eval.runner import RunSpec, check_budget
     from .methods import method_names
 
-    check_task(task)
     known = method_names()
     for m in methods:
         if m not in known:
             raise SparseKVError(f"unknown method {m!r}; available: {', '.join(known)}")
     _check_options_used(methods, {k: v for k, v in options.items() if k not in ("sink", "window", "pooling")})
+    if always_dense and "dense" not in methods:
+        methods = ["dense", *methods]
     specs = [RunSpec(m, b, _options_for(m, options)) for m in methods
              for b in ([None] if m == "dense" else budgets)]
     for L in seqs:  # validate the whole grid before spending minutes on its first cell
         for sp in specs:
             if sp.budget is not None:
                 check_budget(sp.budget, L)
+    return specs
+
+
+def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: list[int], n: int, seed: int,
+              dense_layers: tuple[int, ...], options: dict, task_options: dict | None = None) -> list[dict]:
+    """Generation tasks (passkey, ruler): per length, make the prompts, then run every cell sample-major."""
+    from .eval.runner import check_task, make_samples, run_grid
+
+    check_task(task, generation_only=True)
+    specs = _specs(methods, budgets, seqs, options)
     results = []
     with _progress() as progress:
-        bar = progress.add_task(task, total=len(seqs) * n * len(specs))
+        bar = progress.add_task(task, total=None)
         for L in seqs:
-            progress.update(bar, description=f"{task} seq={L}: {len(specs)} method/budget cells")
-            results += run_grid(lm, task, specs, L, n, seed, dense_layers, on_sample=lambda: progress.advance(bar))
+            progress.update(bar, description=f"{task} seq={L}: making prompts")
+            samples, skipped = make_samples(lm, task, L, n, seed, task_options)
+            for name, why in skipped.items():
+                console.print(f"[yellow]skipped {name}: {why}[/yellow]")
+            progress.update(bar, total=(progress.tasks[0].total or 0) + len(samples) * len(specs),
+                            description=f"{task} seq={L}: {len(specs)} method/budget cells")
+            cells = run_grid(lm, task, specs, L, n, seed, dense_layers, samples=samples,
+                             on_sample=lambda: progress.advance(bar))
+            for c in cells:
+                c["skipped_subtasks"] = skipped
+            results += cells
     return results
+
+
+def _run_ppl(lm, methods, budgets, seqs, n, dense_layers, options, text_file, dataset, prefill) -> list[dict]:
+    from .eval.ppl import ppl_grid, ppl_tokens
+
+    specs = _specs(methods, budgets, seqs, options, always_dense=True)  # sparse is read against dense
+    with console.status("reading text ..."):
+        ids = ppl_tokens(lm, text_file=text_file, dataset=dataset, want=max(seqs) * n)
+    source = str(text_file) if text_file else f"dataset {dataset}"
+    results = []
+    with _progress() as progress:
+        bar = progress.add_task("ppl", total=sum(n * (L - _prefill_len(L, prefill)) * len(specs) for L in seqs))
+        for L in seqs:
+            progress.update(bar, description=f"ppl seq={L}: {len(specs)} method/budget cells, token by token")
+            results += ppl_grid(lm, specs, ids, L, _prefill_len(L, prefill), n, dense_layers,
+                                on_step=lambda: progress.advance(bar), text_source=source)
+    dense = {r["seq_len"]: r["score"] for r in results if r["method"] == "dense"}
+    for r in results:
+        r["dense_score"] = dense.get(r["seq_len"])
+    return results
+
+
+def _prefill_len(seq_len: int, prefill: Optional[int]) -> int:
+    p = seq_len // 2 if prefill is None else prefill
+    if not 0 < p < seq_len:
+        raise SparseKVError(f"--prefill must be in (0, {seq_len}) for seq {seq_len}, got {p}")
+    return p
+
+
+def _run_recall(acts_dir: Path, lm, methods, budgets, options, max_queries, min_context) -> list[dict]:
+    from .activations import load_activations
+    from .eval.recall import query_rows, recall_grid
+
+    acts = load_activations(acts_dir, lm)
+    # queries whose whole context fits the budget are trivially exact: by default leave them out
+    floor = int(max(b for b in budgets if b >= 1)) + 1 if any(b >= 1 for b in budgets) else 0
+    min_context = floor if min_context is None else min_context
+    specs = _specs([m for m in methods if m != "dense"] or ["oracle"], budgets, [acts.seq_lengths[0]], options)
+    total = acts.num_layers * len(query_rows(acts, max_queries, min_context))
+    with _progress() as progress:
+        bar = progress.add_task(f"recall on {acts_dir} ({len(specs)} method/budget cells)", total=total)
+        return recall_grid(acts, specs, lm, on_item=lambda: progress.advance(bar), max_queries=max_queries,
+                           min_context=min_context)
 
 
 def _options_for(method: str, options: dict) -> dict:
@@ -144,13 +227,28 @@ def _check_options_used(methods: list[str], options: dict) -> None:
 
 @app.command("eval")
 def eval_cmd(
-    task: Annotated[str, typer.Option(help="passkey")] = "passkey",
-    method: Annotated[str, typer.Option(help="method(s), comma-separated: dense, oracle, streaming")] = "dense",
+    task: Annotated[str, typer.Option(help="passkey, ruler (RULER's synthetic tasks), ppl (token-by-token "
+                                      "perplexity) or recall (selection quality on dumped activations)")] = "passkey",
+    method: Annotated[str, typer.Option(help="method(s), comma-separated: dense, oracle, streaming, adamas, quest, "
+                                        "lsh, ...")] = "dense",
     budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token "
                                         "count(s) or fraction(s) of the context, comma-separated")] = "64",
-    seq: Annotated[str, typer.Option(help="prompt length(s) in tokens, comma-separated")] = "1024",
-    n: Annotated[int, typer.Option(help="samples per cell (needle depths spread evenly)")] = 10,
+    seq: Annotated[str, typer.Option(help="prompt length(s) in tokens, comma-separated (ppl: window length)")] = "1024",
+    n: Annotated[int, typer.Option(help="samples per cell (RULER: per subtask; ppl: text windows)")] = 10,
     seed: Annotated[int, typer.Option(help="data seed")] = 42,
+    subtasks: Annotated[str, typer.Option(help="ruler: subtasks or groups, comma-separated (all, niah, "
+                                          "niah_single_1, vt, cwe, fwe, qa_1, ...)")] = "all",
+    haystack_file: Annotated[Optional[Path], typer.Option(help="ruler: essay haystack text (.txt or .gz), e.g. "
+                                                          "/usr/share/doc/jargon-text/jargon.txt.gz; default: the "
+                                                          "noise haystack")] = None,
+    text_file: Annotated[Optional[Path], typer.Option(help="ppl: text to score (.txt or .gz)")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="ppl: a `datasets` corpus instead (pg19; needs a hub)")] = None,
+    prefill: Annotated[Optional[int], typer.Option(help="ppl: tokens prefilled densely before token-by-token "
+                                                   "decoding (default: half the window)")] = None,
+    acts: Annotated[Optional[Path], typer.Option(help="recall: a `sparsekv dump` folder")] = None,
+    max_queries: Annotated[Optional[int], typer.Option(help="recall: use at most this many dumped queries")] = None,
+    min_context: Annotated[Optional[int], typer.Option(help="recall: only queries that see at least this many keys "
+                                                       "(default: the largest budget + 1)")] = None,
     sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
     window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
     pooling: Annotated[str, typer.Option(help="GQA: 'group' (one choice per KV head) or 'head'")] = "group",
@@ -160,25 +258,78 @@ def eval_cmd(
                                                      help="adamas ablation: Hadamard transform on/off")] = None,
     bits: Annotated[Optional[int], typer.Option(help="adamas ablation: code bits 1, 2 or 3")] = None,
     distance: Annotated[Optional[str], typer.Option(help="adamas ablation: code distance l1 or l2")] = None,
+    page_size: Annotated[Optional[int], typer.Option(help="quest: tokens per page")] = None,
+    nbits: Annotated[Optional[int], typer.Option(help="lsh: hash bits per key")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write a PNG of score vs budget, one line per method "
+                                                 "(needs matplotlib)")] = None,
     model: ModelOpt = "smollm2-135m",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
 ):
-    """Evaluate methods on a task; one table row (and JSON object) per method × budget × length."""
+    """Evaluate methods on a task; one table row (and JSON object) per method × budget × length.
+
+    Examples: `--task ruler --subtasks niah --seq 4096,8192 --method dense,oracle,adamas --budget 64,128 --n 20`;
+    `--task ppl --text-file book.txt --seq 4096 --method adamas,streaming --budget 128`;
+    `--task recall --acts dumps/v1 --method oracle,adamas,quest --budget 64,256`.
+    """
+    from .eval.runner import check_task
+
+    check_task(task)
     if n <= 0:
         raise SparseKVError(f"--n must be positive, got {n}")
+    _check_task_options(task, subtasks=subtasks != "all", haystack_file=haystack_file, text_file=text_file,
+                        dataset=dataset, prefill=prefill, acts=acts, max_queries=max_queries,
+                        min_context=min_context)
+    if plot is not None:
+        from .plotting import require_matplotlib
+
+        require_matplotlib()  # fail before the run, not after
     methods = _csv(method, str, "method")
     budgets = _csv(budget, float, "budget")
     seqs = _csv(seq, int, "seq")
     layers = tuple(_csv(dense_layers, int, "dense-layers"))
     options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling,
                                  "artifact": None if artifact is None else str(artifact), "hadamard": hadamard,
-                                 "bits": bits, "distance": distance}.items() if v is not None}
+                                 "bits": bits, "distance": distance, "page_size": page_size,
+                                 "nbits": nbits}.items() if v is not None}
+    if task == "ppl" and (text_file is None) == (dataset is None):
+        raise SparseKVError("--task ppl needs exactly one of --text-file or --dataset")
+    if text_file is not None and not text_file.is_file():
+        raise SparseKVError(f"text file not found: {text_file}")
+    if haystack_file is not None and not haystack_file.is_file():
+        raise SparseKVError(f"haystack file not found: {haystack_file}")
+    if task == "recall" and acts is None:
+        raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
     lm = _load(model, device, dtype)
-    results = _run_grid(lm, task, methods, budgets, seqs, n, seed, layers, options)
+    if task == "ppl":
+        results = _run_ppl(lm, methods, budgets, seqs, n, layers, options, text_file, dataset, prefill)
+    elif task == "recall":
+        results = _run_recall(acts, lm, methods, budgets, options, max_queries, min_context)
+    else:
+        task_options = {"subtasks": subtasks, "haystack_file": haystack_file} if task == "ruler" else {}
+        results = _run_grid(lm, task, methods, budgets, seqs, n, seed, layers, options, task_options)
     console.print(_results_table(results, f"{task} on {lm.name}"))
+    sub = _subtask_table(results, f"{task} per subtask (score 0-100)")
+    if sub is not None:
+        console.print(sub)
     _write_json(json_out, results[0] if len(results) == 1 else results)
+    if plot is not None:
+        from .eval.plot import plot_scores
+
+        console.print(f"wrote {plot_scores(results, plot)}")
+
+
+_TASK_OPTIONS = {"subtasks": "ruler", "haystack_file": "ruler", "text_file": "ppl", "dataset": "ppl",
+                 "prefill": "ppl", "acts": "recall", "max_queries": "recall", "min_context": "recall"}
+
+
+def _check_task_options(task: str, **given) -> None:
+    """An option of another task is a mistake (e.g. --prefill with passkey): say so instead of ignoring it."""
+    wrong = [k for k, v in given.items() if v not in (None, False) and _TASK_OPTIONS[k] != task]
+    if wrong:
+        raise SparseKVError(", ".join(f"--{k.replace('_', '-')} is for --task {_TASK_OPTIONS[k]}" for k in wrong) +
+                            f", not {task}")
 
 
 @app.command()
@@ -186,18 +337,37 @@ def demo(
     seq: Annotated[int, typer.Option(help="passkey prompt length in tokens")] = 1024,
     n: Annotated[int, typer.Option(help="samples per method")] = 5,
     budget: Annotated[int, typer.Option(help="token budget of the sparse methods")] = 64,
+    adamas: Annotated[bool, typer.Option("--adamas/--no-adamas", help="calibrate Adamas (once, cached) and show "
+                                         "it too")] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here")] = None,
     device: DeviceOpt = "auto",
 ):
-    """Fetch the default model if needed, then passkey with dense, oracle top-k and StreamingLLM."""
+    """Fetch the default model if needed, calibrate Adamas on it, then passkey with dense, oracle top-k,
+    StreamingLLM and Adamas."""
     t0 = time.perf_counter()
     lm = _load("smollm2-135m", device, "auto")
     console.print(f"model: {lm.name} ({lm.num_layers} layers, {lm.q_heads} query / {lm.kv_heads} KV heads, "
                   f"head dim {lm.head_dim}) on {lm.device}")
-    results = _run_grid(lm, "passkey", ["dense", "oracle", "streaming"], [budget], [seq], n, 42, (), {})
+    methods, options = ["dense", "oracle", "streaming"], {}
+    if adamas:
+        from .demo import demo_artifact
+
+        with _progress() as progress:
+            path, report = demo_artifact(lm, budget, progress)
+        if report is None:
+            console.print(f"adamas: reusing the calibrated artifact {path}")
+        else:
+            m = report["mean"]
+            console.print(f"adamas: calibrated on {report['tokens']} tokens of {report['source']} -> {path}; held-out "
+                          f"recall of "
+                          f"the exact top-{budget}: paper thresholds {m['before']:.3f}, fitted {m['after']:.3f}")
+        methods.append("adamas")
+        options["artifact"] = str(path)
+    results = _run_grid(lm, "passkey", methods, [budget], [seq], n, 42, (), options)
     console.print(_results_table(results, f"passkey at {seq} tokens, budget {budget}"))
     console.print("Streaming keeps only the sink and the recent window, so needles outside it are lost; oracle "
-                  "top-k reads the same number of keys but picks them by exact q·k.")
+                  "top-k reads the same number of keys but picks them by exact q·k; Adamas picks them by the L1 "
+                  "distance of 2-bit Hadamard codes (1/16 of the key bytes).")
     console.print(f"demo took {time.perf_counter() - t0:.0f} s")
     _write_json(json_out, results)
 

@@ -8,6 +8,7 @@ each new token indexed as it is appended).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -78,6 +79,14 @@ def prefill(lm: LoadedModel, input_ids, prefill_chunk: int | None = None) -> Pre
                    [layer.values[:, :, :n] for layer in cache.layers], logits)
 
 
+def _load_prefill(cache: SparseCache, prefilled: Prefill) -> torch.Tensor:
+    """Load a shared dense prefill into `cache`: each layer's update indexes it exactly as a prefill would.
+    Returns the logits at the last prompt position."""
+    for i, (k, v) in enumerate(zip(prefilled.keys, prefilled.values)):
+        cache.update(k, v, i)
+    return prefilled.logits
+
+
 @torch.no_grad()
 def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method: Method, max_new_tokens: int,
              dense_layers=(), stop_on_eos: bool = True, keep_logits: bool = False,
@@ -88,10 +97,8 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
     cache = make_cache(lm, method, n + max_new_tokens, dense_layers)
     if prefilled is None:
         logits = _run_prefill(lm, ids, cache, prefill_chunk)
-    else:  # load the shared prefill: each layer's update indexes it exactly as a prefill would
-        for i, (k, v) in enumerate(zip(prefilled.keys, prefilled.values)):
-            cache.update(k, v, i)
-        logits = prefilled.logits
+    else:
+        logits = _load_prefill(cache, prefilled)
     eos = _eos_ids(lm) if stop_on_eos else set()
     out, kept = [], []
     for step in range(max_new_tokens):
@@ -106,6 +113,38 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
                           position_ids=pos, use_cache=True).logits[:, -1]
     text = lm.tokenizer.decode(out, skip_special_tokens=True)
     return Generation(out, text, n, cache.stats.summary(), kept)
+
+
+@torch.no_grad()
+def score_continuation(lm: LoadedModel, method: Method, prefilled: Prefill, targets: list[int] | torch.Tensor,
+                       dense_layers=(), on_step: Callable[[], object] | None = None) -> tuple[float, int, dict]:
+    """Teacher-forced scoring of `targets` after a dense prefill, with `method` on every decode step.
+
+    The logits at the last prefill position predict targets[0]; then each target is fed one token at a time through
+    the SparseCache (so every step's attention uses the method's selection and every fed token is indexed as it is
+    appended) and the next logits predict the next target. The last target is scored but not fed.
+    Returns (sum of the targets' negative log-likelihoods in nats, number of targets, the cache's decode stats).
+    `on_step()` is called once per scored target.
+    """
+    tgt = torch.as_tensor(targets, dtype=torch.long).flatten().to(lm.device)
+    T = tgt.numel()
+    if T == 0:
+        raise SparseKVError("no target tokens to score")
+    ids = _prompt(lm, prefilled.ids, T - 1)  # the last target is never fed: T - 1 positions after the prompt
+    n = ids.shape[1]
+    cache = make_cache(lm, method, n + T - 1 if T > 1 else n, dense_layers)
+    logits = _load_prefill(cache, prefilled)
+    nll = torch.zeros((), dtype=torch.float64, device=ids.device)  # summed on the device: no sync per step
+    for i in range(T):
+        nll -= torch.log_softmax(logits[0].float(), dim=-1)[tgt[i]].double()
+        if on_step:
+            on_step()
+        if i == T - 1:
+            break
+        pos = torch.tensor([[n + i]], device=ids.device)
+        logits = lm.model(input_ids=tgt[i].view(1, 1), past_key_values=cache, position_ids=pos,
+                          use_cache=True).logits[:, -1]
+    return float(nll), T, cache.stats.summary()
 
 
 def _eos_ids(lm: LoadedModel) -> set[int]:

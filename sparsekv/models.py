@@ -81,12 +81,13 @@ class LoadedModel:
 
 
 def weights_hash(model: torch.nn.Module, sample: int = 1 << 16) -> str:
-    """sha256 over every parameter's name, shape and first `sample` values (fp32): cheap even for 70B models,
-    and any re-quantisation or fine-tune changes it."""
+    """sha256 over every parameter's name, shape and first `sample` values rounded to bf16: cheap even for 70B
+    models, any re-quantisation or fine-tune changes it, and the same weights loaded in fp32 (a CPU calibration)
+    or bf16 (the GPU run) hash alike. (An fp16 load rounds twice and may not.)"""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(p.shape)}".encode())
-        h.update(p.detach().flatten()[:sample].to("cpu", torch.float32).numpy().tobytes())
+        h.update(p.detach().flatten()[:sample].to("cpu").to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -24,6 +24,13 @@ def sparsekv(*args):
     (["dump", "--model", "tiny-random", "--text-file", "/nonexistent/t.txt", "--out", "/tmp/sparsekv-x-out"],
      "not found"),
     (["artifacts", "verify", "/nonexistent/artifact"], "manifest"),
+    (["eval", "--model", "tiny-random", "--prefill", "100"], "--prefill is for --task ppl, not passkey"),
+    (["eval", "--model", "tiny-random", "--task", "ppl", "--seq", "300"], "exactly one of --text-file or --dataset"),
+    (["eval", "--model", "tiny-random", "--task", "recall"], "--task recall needs --acts"),
+    (["eval", "--model", "tiny-random", "--task", "ruler", "--subtasks", "niah_bogus", "--seq", "2000"],
+     "niah_bogus"),
+    (["eval", "--model", "tiny-random", "--task", "ruler", "--haystack-file", "/nonexistent/h.txt"],
+     "haystack file not found"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     r = sparsekv(*args)
@@ -65,3 +72,42 @@ def test_method_options_reach_only_the_methods_that_take_them(tmp_path):
     r = sparsekv("eval", "--model", "tiny-random", "--method", "oracle", "--budget", "16", "--seq", "300",
                  "--n", "1", "--bits", "1")
     assert r.returncode == 2 and "apply to none of the methods oracle" in r.stderr
+
+
+def test_eval_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "scores.png"
+    r = sparsekv("eval", "--model", "tiny-random", "--method", "dense,oracle,streaming", "--budget", "16,32",
+                 "--seq", "300", "--n", "1", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_ppl_reports_dense_beside_sparse(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog while the cat sleeps. " * 40)
+    out = tmp_path / "ppl.json"
+    r = sparsekv("eval", "--model", "tiny-random", "--task", "ppl", "--text-file", str(text), "--seq", "96",
+                 "--prefill", "64", "--method", "oracle", "--budget", "16", "--n", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [x["method"] for x in rows] == ["dense", "oracle"]  # dense always runs beside the sparse methods
+    assert all(x["metric"] == "perplexity" and x["score"] > 1 for x in rows)
+    assert rows[1]["dense_score"] == rows[0]["score"] and rows[1]["tokens_scored"] == 32
+
+
+def test_eval_recall_on_a_dump(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Some natural-looking text to record keys and queries from, again and again. " * 60)
+    dump = tmp_path / "dump"
+    r = sparsekv("dump", "--model", "tiny-random", "--text-file", str(text), "--tokens", "512", "--seq-len", "256",
+                 "--queries", "8", "--out", str(dump))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "recall.json"
+    r = sparsekv("eval", "--model", "tiny-random", "--task", "recall", "--acts", str(dump), "--method",
+                 "oracle,streaming", "--budget", "32", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [x["method"] for x in rows] == ["oracle", "streaming"]
+    assert rows[0]["iou"] == pytest.approx(1.0) and rows[0]["topk_recall"] == pytest.approx(1.0)
+    assert rows[1]["score"] < rows[0]["score"] and len(rows[0]["per_layer"]) == 2

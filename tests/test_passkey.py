@@ -29,8 +29,10 @@ def test_same_seed_same_samples(tiny):
 
 
 def test_score_is_containment():
-    assert passkey.score(" 12345. Remember it.", "12345") == 1.0
-    assert passkey.score(" 1234", "12345") == 0.0
+    from sparsekv.eval.metrics import score
+
+    assert score("contains", " 12345. Remember it.", ["12345"]) == 1.0
+    assert score("contains", " 1234", ["12345"]) == 0.0
 
 
 def test_run_task_result_has_the_promised_fields(tiny):

@@ -4,18 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SparseKVError
-
-
-def require_matplotlib():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SparseKVError("--plot needs matplotlib: pip install 'sparsekv[plot]'") from None
-    return plt
+from ..plotting import require_matplotlib
 
 
 def plot_result(result: dict, path: Path) -> Path:

@@ -5,10 +5,10 @@ depth inside repeated filler text; the model must repeat it. Score = % of sample
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from ..errors import SparseKVError
 from .prompts import build_prompt
+from .sample import Sample
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.")
@@ -18,14 +18,6 @@ QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
 GEN_TOKENS = 10
 
-
-@dataclass
-class Sample:
-    ids: list[int]
-    answer: str
-    depth: float  # where the needle sits, 0 = start of the filler, 1 = end
-    template: str
-    max_new_tokens: int = GEN_TOKENS
 
 
 def depths(n: int, n_depths: int = 10) -> list[float]:
@@ -52,17 +44,12 @@ def make_sample(tokenizer, seq_len: int, depth: float, key: str) -> Sample:
     while n > 0:  # the estimate can overshoot by a token or two at boundaries: step down until it fits
         ids, template = build_prompt(tokenizer, _text(n, depth, key), ANSWER_PREFIX)
         if len(ids) <= seq_len:
-            return Sample(ids, key, depth, template)
+            return Sample(ids, key, depth, template, GEN_TOKENS)
         n -= 1
     ids, template = build_prompt(tokenizer, _text(0, depth, key), ANSWER_PREFIX)
-    return Sample(ids, key, depth, template)
+    return Sample(ids, key, depth, template, GEN_TOKENS)
 
 
 def make_samples(tokenizer, seq_len: int, n: int, seed: int = 42) -> list[Sample]:
     rng = random.Random(seed)
     return [make_sample(tokenizer, seq_len, d, str(rng.randint(10000, 99999))) for d in depths(n)]
-
-
-def score(prediction: str, answer: str) -> float:
-    """1 if the key appears in the answer, else 0 (the containment check RULER uses)."""
-    return float(answer in prediction)

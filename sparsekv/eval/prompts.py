@@ -15,6 +15,8 @@ def build_prompt(tokenizer, user_text: str, answer_prefix: str = "", chat: bool 
                                              add_generation_prompt=True)
         ids = tokenizer(text + answer_prefix, add_special_tokens=False).input_ids
         return ids, "model chat template (apply_chat_template, add_generation_prompt=True) + answer prefix"
-    text = f"{user_text}\n{answer_prefix}" if answer_prefix else user_text
+    # a prefix that starts with a space joins directly (RULER's `base` template); others go on a new line
+    text = f"{user_text}{answer_prefix}" if answer_prefix[:1].isspace() else \
+        f"{user_text}\n{answer_prefix}" if answer_prefix else user_text
     ids = tokenizer(text, add_special_tokens=True).input_ids
     return ids, "plain text (model has no chat template) + answer prefix"

@@ -17,14 +17,26 @@ from ..errors import SparseKVError
 from ..methods import get_method, method_names
 from ..models import LoadedModel
 from ..selection import resolve_budget
-from . import passkey
+from . import metrics, passkey
 
 PROTOCOL = ("query-aware decode: dense prefill of context + question + answer prefix; the method selects keys at "
             "every decode step; generated tokens are indexed as they are appended; greedy decoding")
 
-TASKS: dict[str, Callable] = {"passkey": passkey.make_samples}
-SCORERS = {"passkey": passkey.score}
-METRICS = {"passkey": "accuracy"}
+
+def _passkey_samples(tokenizer, seq_len: int, n: int, seed: int, **_) -> tuple[list, dict]:
+    return passkey.make_samples(tokenizer, seq_len, n, seed), {}
+
+
+def _ruler_samples(tokenizer, seq_len: int, n: int, seed: int, subtasks=None, haystack_file=None) -> tuple[list, dict]:
+    from . import ruler  # imported on use: its word lists are only needed for RULER
+
+    return ruler.make_samples(tokenizer, seq_len, n, seed, subtasks=subtasks, haystack_file=haystack_file)
+
+
+# generation tasks: name -> samples(tokenizer, seq_len, n, seed, **task_options) -> (samples, skipped subtasks)
+TASKS: dict[str, Callable] = {"passkey": _passkey_samples, "ruler": _ruler_samples}
+METRICS = {"passkey": "accuracy", "ruler": "accuracy"}
+OTHER_TASKS = ("ppl", "recall")  # run by eval/ppl.py and eval/recall.py, not by this runner
 
 
 @dataclass
@@ -34,9 +46,10 @@ class RunSpec:
     method_options: dict = field(default_factory=dict)  # sink, window, pooling, ...
 
 
-def check_task(task: str) -> None:
-    if task not in TASKS:
-        raise SparseKVError(f"unknown task {task!r}; available: {', '.join(sorted(TASKS))}")
+def check_task(task: str, generation_only: bool = False) -> None:
+    known = sorted(TASKS) if generation_only else sorted([*TASKS, *OTHER_TASKS])
+    if task not in known:
+        raise SparseKVError(f"unknown task {task!r}; available: {', '.join(known)}")
 
 
 def check_budget(budget: float, seq_len: int) -> None:
@@ -53,27 +66,40 @@ def check_seq(lm: LoadedModel, seq_len: int, gen_tokens: int) -> None:
                             f"({lm.max_context} tokens)")
 
 
+def make_samples(lm: LoadedModel, task: str, seq_len: int, n: int, seed: int = 42,
+                 task_options: dict | None = None) -> tuple[list, dict]:
+    """The prompts of a generation task (n per subtask for RULER) and the subtasks skipped, with the reason."""
+    check_task(task, generation_only=True)
+    return TASKS[task](lm.tokenizer, seq_len, n, seed, **(task_options or {}))
+
+
 def run_task(lm: LoadedModel, task: str, spec: RunSpec, seq_len: int, n: int, seed: int = 42,
-             dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None) -> dict:
+             dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None,
+             task_options: dict | None = None) -> dict:
     """One (method, budget, seq_len) cell: n samples of `task`, scored. Returns the result dict (JSON-ready)."""
-    return run_grid(lm, task, [spec], seq_len, n, seed, dense_layers, samples, on_sample)[0]
+    return run_grid(lm, task, [spec], seq_len, n, seed, dense_layers, samples, on_sample, task_options)[0]
 
 
 def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: int, seed: int = 42,
-             dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None) -> list[dict]:
+             dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None,
+             task_options: dict | None = None) -> list[dict]:
     """Several methods/budgets at one length. Sample-major: each prompt is prefilled once (prefill is dense
     whatever the method) and every method decodes from that prefill."""
-    check_task(task)
+    check_task(task, generation_only=True)
     known = method_names()
     for spec in specs:
         if spec.method not in known:
             raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(known)}")
         if spec.budget is not None:
             check_budget(spec.budget, seq_len)
-    samples = samples if samples is not None else TASKS[task](lm.tokenizer, seq_len, n, seed)
+    skipped: dict[str, str] = {}
+    if samples is None:
+        samples, skipped = make_samples(lm, task, seq_len, n, seed, task_options)
+    if not samples:
+        raise SparseKVError(f"task {task!r} produced no samples" +
+                            (f" (skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())})" if skipped else ""))
     check_seq(lm, max(len(s.ids) for s in samples), max(s.max_new_tokens for s in samples))
     methods = [get_method(sp.method, budget=sp.budget or 1.0, **sp.method_options) for sp in specs]
-    scorer = SCORERS[task]
     rows: list[list[dict]] = [[] for _ in specs]
     stats: list[list[dict]] = [[] for _ in specs]
     seconds = [0.0] * len(specs)
@@ -85,16 +111,21 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
             t1 = time.perf_counter()
             g = generate(lm, None, method, s.max_new_tokens, dense_layers=dense_layers, prefilled=pf)
             seconds[i] += time.perf_counter() - t1 + shared
-            rows[i].append({"depth": s.depth, "answer": s.answer, "prediction": g.text,
-                            "score": scorer(g.text, s.answer), "prompt_tokens": g.prompt_tokens})
+            rows[i].append({"subtask": s.subtask, "depth": s.depth, "answer": s.answer, "prediction": g.text,
+                            "score": metrics.score(s.metric, g.text, s.references),
+                            "prompt_tokens": g.prompt_tokens})
             stats[i].append(g.stats)
             if on_sample:
                 on_sample()
-    return [_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec)
+    return [_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec, skipped)
             for spec, m, r, st, sec in zip(specs, methods, rows, stats, seconds)]
 
 
-def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, totals, seconds) -> dict:
+def _mean(xs: list[float]) -> float:
+    return 100.0 * sum(xs) / len(xs)
+
+
+def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, totals, seconds, skipped) -> dict:
     steps = sum(t["sparse_steps"] for t in totals)
 
     def mean_stat(key: str) -> float | None:
@@ -103,13 +134,20 @@ def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, 
         return sum(t[key] * t["sparse_steps"] for t in totals) / steps
 
     per_depth: dict[float, list[float]] = {}
+    per_subtask: dict[str, list[float]] = {}
     for r in rows:
-        per_depth.setdefault(round(r["depth"], 4), []).append(r["score"])
+        if r["depth"] is not None:
+            per_depth.setdefault(round(r["depth"], 4), []).append(r["score"])
+        if r["subtask"] is not None:
+            per_subtask.setdefault(r["subtask"], []).append(r["score"])
     sel = mean_stat("selectivity")
+    # RULER's average is the mean of the subtask scores (each subtask weighs the same whatever its n)
+    score = (sum(_mean(v) for v in per_subtask.values()) / len(per_subtask)) if per_subtask else \
+        _mean([r["score"] for r in rows])
     return {
         "task": task,
         "metric": METRICS[task],
-        "score": 100.0 * sum(r["score"] for r in rows) / len(rows),
+        "score": score,
         "method": spec.method,
         "method_config": method.config(),
         "budget": spec.budget,
@@ -121,11 +159,19 @@ def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, 
         "mean_sink": mean_stat("mean_sink"),
         "mean_window": mean_stat("mean_window"),
         "dense_layers": sorted(dense_layers),
-        "per_depth": [{"depth": d, "n": len(v), "score": 100.0 * sum(v) / len(v)} for d, v in sorted(per_depth.items())],
+        "per_depth": [{"depth": d, "n": len(v), "score": _mean(v)} for d, v in sorted(per_depth.items())],
+        "per_subtask": [{"subtask": k, "n": len(v), "score": _mean(v),
+                         "metric": next(x.metric for x in samples if x.subtask == k),
+                         "template": next(x.template for x in samples if x.subtask == k),
+                         # RULER counts a prediction as null after its cleanup (control characters removed)
+                         "nulls": sum(1 for r in rows if r["subtask"] == k and not metrics.postprocess(r["prediction"]))}
+                        for k, v in per_subtask.items()],
+        "skipped_subtasks": skipped,
         "model": lm.name,
         "model_source": lm.source,
         "tokenizer": getattr(lm.tokenizer, "name_or_path", "") or type(lm.tokenizer).__name__,
         "template": samples[0].template,
+        "gen_tokens": sorted({x.max_new_tokens for x in samples}),
         "artifact": spec.method_options.get("artifact"),
         "seed": seed,
         "protocol": PROTOCOL,

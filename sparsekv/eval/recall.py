@@ -1,0 +1,345 @@
+"""Selection quality on dumped activations: how much of each query's exact attention a method's choice keeps.
+
+For every dumped query (position p in its sequence) and every layer, each method's state is grown over the keys
+[0, p] of that sequence in position order, through `new_state` / `append` only, exactly as a decode would have
+indexed them (post-RoPE keys and queries, plus pre-RoPE ones for methods with `needs_pre_rope`); then `select` is
+called with the query, and its `Selection` is expanded to the keys it reads (sink + sparse part + window, the
+kernels' own `selection_positions`). Against the exact attention of the query (softmax of q·k/sqrt(d) over [0, p],
+per query head, each on its GQA group's KV head):
+
+- attention_mass_recall: the softmax mass on the attended keys (mean over query heads). `score` is this, x100.
+- topk_recall: the share of the exact top-k keys that are attended, k = keys attended by that selection row;
+  the exact top-k is pooled as the method pools (pooling "group": top-k of the group's summed probabilities, the
+  oracle's choice; "head": each query head's own). topk_recall_head: against each query head's own top-k.
+- iou: |A ∩ O| / |A ∪ O| between the attended set A and the oracle's O at the same budget, sink, window and
+  pooling (the reference's config is in `iou_reference`); oracle_mass_recall is O's attention mass (the bound).
+  The reference takes the method's `sink` and `window` attributes: a method whose window is derived from the
+  budget (StreamingLLM's "budget - sink") has window 0 there, so its oracle spends the rest on exact top-k.
+
+Why states are grown rather than built once and truncated (`state.length = p + 1`): methods with per-page or
+per-segment summaries (Quest's min/max, RADAR's segment means) fold every appended key into the summary of its
+page, so a state built over the whole sequence and cut back would leak later keys into the last partial page.
+Appending in position order costs the same total work (each key is appended once per (sequence, layer)), holds
+for every method that honours the append contract (chunks of any size, as prefill and decode append them), and
+the shared K buffer is filled only up to the current length, zeros beyond, as in the runtime cache.
+Dumps hold no values: methods get a zero value buffer (no registered method reads values to select).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from sparsekv.kernels.reference import selection_positions
+
+from .. import __version__
+from ..activations import Activations, check_fingerprint
+from ..cache import DecodeStats
+from ..errors import SparseKVError
+from ..methods import CacheShape, Method, get_method, method_names
+from ..models import LoadedModel
+from ..selection import Selection, resolve_budget
+from .runner import RunSpec, check_budget
+
+PROTOCOL = ("selection quality on dumped activations (offline, no model forward): for each dumped query at position "
+            "p, the method's state is grown over keys [0, p] of its sequence in position order with new_state/append "
+            "as a decode would index them (post-RoPE; pre-RoPE for methods that ask), then select(query); against "
+            "exact softmax(q·k/sqrt(d)) over [0, p] per query head: attention mass on the attended keys "
+            "(sink + window + selected), recall of the exact top-k (k = keys attended, pooled as the method pools; "
+            "_head: per query head), IoU with the oracle's attended set at the same budget/sink/window/pooling; "
+            "means over query heads, queries, then layers; score = 100 x attention_mass_recall")
+
+METRICS = ("attention_mass_recall", "topk_recall", "topk_recall_head", "iou", "oracle_mass_recall")
+
+
+@dataclass
+class DumpModel:
+    """Stands in for a LoadedModel in `Method.bind` when no model is loaded: the dump's recorded fingerprint."""
+
+    name: str
+    source: str
+    num_layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    recorded: dict = field(repr=False, default_factory=dict)
+
+    def fingerprint(self) -> dict:
+        return dict(self.recorded)
+
+    @classmethod
+    def from_dump(cls, acts: Activations) -> "DumpModel":
+        fp = acts.manifest.get("model") or {}
+        return cls(str(fp.get("name", "")), f"dump {acts.path}", acts.num_layers, acts.q_heads, acts.kv_heads,
+                   acts.head_dim, fp)
+
+
+@dataclass
+class _Acc:
+    """Running sums for one (spec, layer): metric sums over (query, query head), and the query count."""
+
+    sums: dict = field(default_factory=lambda: {k: 0.0 for k in METRICS})
+    n: int = 0  # (query, query head) pairs
+    queries: int = 0
+    dense: int = 0  # queries whose selection was the whole context
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    def mean(self, key: str) -> float | None:
+        return self.sums[key] / self.n if self.n else None
+
+
+def query_rows(acts: Activations, max_queries: int | None = None, min_context: int = 0) -> torch.Tensor:
+    """The dump's query rows to evaluate: those whose context (p + 1) is at least `min_context`, then at most
+    `max_queries` of them, evenly spaced over the dump (every sequence and position range; no seed needed)."""
+    pos = acts.positions()
+    rows = torch.nonzero(pos["q_pos"] + 1 >= min_context).flatten()
+    if max_queries is not None:
+        if max_queries < 1:
+            raise SparseKVError(f"max_queries must be positive, got {max_queries}")
+        if len(rows) > max_queries:
+            rows = rows[torch.linspace(0, len(rows) - 1, max_queries).round().long().unique()]
+    if len(rows) == 0:
+        raise SparseKVError(f"the dump at {acts.path} has no queries with a context of {min_context} or more tokens")
+    return rows
+
+
+def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None = None,
+                on_item: Callable[[], object] | None = None, max_queries: int | None = None,
+                min_context: int = 0) -> list[dict]:
+    """Selection quality of every spec on the dump's queries (module docstring). One result dict per spec.
+
+    `lm`: the model the dump came from (checked by fingerprint); only needed by methods whose `bind` needs more
+    than the dump's recorded fingerprint (artifacts are checked against it without a model). Work runs on lm's
+    device when given (GPU kernels there), else on the CPU. `on_item()` is called once per (layer, query):
+    `num_layers * n` calls. `min_context`: skip queries that see fewer keys (e.g. the budget, to leave out
+    queries whose selection is trivially the whole context; those count in `queries_dense` otherwise).
+    """
+    if not specs:
+        raise SparseKVError("no methods to evaluate")
+    seq_len = max(acts.seq_lengths)
+    known = method_names()
+    for spec in specs:
+        if spec.method not in known:
+            raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(known)}")
+        if spec.budget is not None:
+            check_budget(spec.budget, seq_len)
+    if lm is not None:
+        check_fingerprint(acts.path, acts.manifest.get("model") or {}, lm.fingerprint())
+    target = lm if lm is not None else DumpModel.from_dump(acts)
+    device = lm.device if lm is not None else torch.device("cpu")
+
+    methods = [get_method(sp.method, budget=sp.budget or 1.0, **sp.method_options) for sp in specs]
+    runners: list[Method] = list(methods)  # every method run, references included, each once
+    ref_of: list[int | None] = []
+    for sp, m in zip(specs, methods):
+        if sp.budget is None:  # no budget (dense): no oracle at "the same budget"
+            ref_of.append(None)
+            continue
+        ref = get_method("oracle", budget=sp.budget, sink=m.sink, window=m.window, pooling=m.pooling)
+        same = [j for j, r in enumerate(runners) if r.config() == ref.config()]
+        if not same:
+            runners.append(ref)
+        ref_of.append(same[0] if same else len(runners) - 1)
+    for m in runners:
+        _bind(m, target)
+
+    rows = query_rows(acts, max_queries, min_context)
+    L, Hkv, Hq, D = acts.num_layers, acts.kv_heads, acts.q_heads, acts.head_dim
+    acc = [[_Acc() for _ in range(L)] for _ in specs]
+    seconds = [0.0] * len(specs)
+    pre_rope = any(m.needs_pre_rope for m in runners)
+    pos = acts.positions()
+    per_seq = [(s, rows[pos["q_seq"][rows] == s]) for s in range(len(acts.seq_lengths))]
+    per_seq = [(s, r[pos["q_pos"][r].argsort()]) for s, r in per_seq if len(r)]
+    t_start = time.perf_counter()
+    for layer in range(L):
+        data = acts.layer(layer)
+        for s, qrows in per_seq:
+            off, n = acts.seq_offsets[s], acts.seq_lengths[s]
+            keys = data["k_post"][:, off : off + n].to(device, torch.float32).unsqueeze(0)  # [1, Hkv, n, D]
+            keys_pre = data["k_pre"][:, off : off + n].to(device, torch.float32).unsqueeze(0) if pre_rope else None
+            qs = data["q_post"][:, qrows].to(device, torch.float32)  # [Hq, nq, D]
+            qs_pre = data["q_pre"][:, qrows].to(device, torch.float32) if pre_rope else None
+            _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre, qs, qs_pre,
+                          data["q_pos"][qrows].tolist(), on_item)
+    total = time.perf_counter() - t_start
+    other = max(total - sum(seconds), 0.0) / len(specs)  # exact attention, loading: split evenly
+    return [_result(acts, lm, sp, m, None if r is None else runners[r], a, seq_len, len(rows), sec + other)
+            for sp, m, r, a, sec in zip(specs, methods, ref_of, acc, seconds)]
+
+
+def _bind(method: Method, target: Any) -> None:
+    try:
+        method.bind(target)
+    except SparseKVError:
+        raise
+    except (AttributeError, TypeError) as e:
+        raise SparseKVError(f"method {method.name!r} needs the loaded model to bind ({e}): pass the model the dump "
+                            f"came from") from None
+
+
+def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre, qs, qs_pre, qpos, on_item) -> None:
+    """Grow every runner's state over one sequence, query by query, and score each spec's selections."""
+    _, Hkv, n, D = keys.shape
+    Hq = qs.shape[0]
+    G = Hq // Hkv
+    device = keys.device
+    shape = CacheShape(1, Hkv, Hq, D, n, torch.float32, device)
+    kbuf = torch.zeros_like(keys)  # filled up to the current length only, as the runtime's cache
+    vbuf = torch.zeros_like(keys)
+    states = []
+    for m in runners:
+        st = m.new_state(layer, shape)
+        st.keys, st.values, st.length = kbuf, vbuf, 0
+        states.append(st)
+    cur = 0
+    scale = D**-0.5
+    for j, p in enumerate(qpos):
+        end = p + 1
+        times = [0.0] * len(runners)
+        if end > cur:
+            kbuf[:, :, cur:end] = keys[:, :, cur:end]
+            for i, (m, st) in enumerate(zip(runners, states)):
+                t0 = time.perf_counter()
+                st.length = end
+                m.append(st, kbuf[:, :, cur:end], vbuf[:, :, cur:end],
+                         keys_pre[:, :, cur:end] if m.needs_pre_rope else None, cur)
+                times[i] += time.perf_counter() - t0
+            cur = end
+        q = qs[:, j].view(1, Hq, 1, D)
+        q_pre = qs_pre[:, j].view(1, Hq, 1, D) if qs_pre is not None else None
+        sels: list[Selection] = []
+        for i, (m, st) in enumerate(zip(runners, states)):
+            t0 = time.perf_counter()
+            sels.append(m.select(st, q, q_pre if m.needs_pre_rope else None))
+            times[i] += time.perf_counter() - t0
+        # exact attention of this query over [0, p], per query head on its group's KV head
+        logits = torch.einsum("hgd,hnd->hgn", q.view(Hkv, G, D), keys[0, :, :end]).reshape(Hq, end)
+        probs = torch.softmax(logits.double() * scale, dim=-1)
+        masks = {}
+        for i, sel in enumerate(sels):
+            if i < len(methods) or i in ref_of:
+                masks[i] = _attended(sel, Hkv, Hq, end, device)
+        for i, m in enumerate(methods):
+            seconds[i] += times[i]
+            a = acc[i][layer]
+            mask = masks[i]  # [Hs, end]
+            ref = masks[ref_of[i]] if ref_of[i] is not None else None
+            _score(a, probs, mask, ref, Hkv, G)
+            sel = sels[i]
+            a.queries += 1
+            a.dense += int(bool(mask.all()))
+            a.stats.add(end, sel.attended(), sel.n_selected if not sel.dense else end, sel.sink, sel.window)
+        if on_item:
+            on_item()
+
+
+def _attended(sel: Selection, kv_heads: int, q_heads: int, length: int, device) -> torch.Tensor:
+    """Bool [Hs, length]: the keys the selection reads, per selection head (KV heads or query heads)."""
+    hs = sel.heads(kv_heads)
+    if sel.length != length:
+        raise SparseKVError(f"a selection for {sel.length} keys came back at length {length}")
+    if hs != kv_heads and hs != q_heads:
+        raise SparseKVError(f"a selection has {hs} heads; expected {kv_heads} (KV heads) or {q_heads} (query heads)")
+    pos = selection_positions(sel, 1, hs, device=device)[0]  # [Hs, slots], -1 = nothing
+    mask = torch.zeros(hs, length + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, torch.where(pos >= 0, pos, length), True)  # padding goes to the spare column
+    return mask[:, :length]
+
+
+def _to_heads(x: torch.Tensor, Hq: int, G: int) -> torch.Tensor:
+    """[Hs, ...] per selection head -> [Hq, ...] per query head (a group row serves its G query heads)."""
+    return x if x.shape[0] == Hq else x.repeat_interleave(G, dim=0)
+
+
+def _topk_recall(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row: share of the row's exact top-k (k = keys the row attends) that it attends."""
+    k = mask.sum(-1)  # [R]
+    kmax = int(k.max())
+    if kmax == 0:
+        return torch.ones(mask.shape[0], dtype=torch.float64, device=mask.device)
+    top = torch.topk(scores, kmax, dim=-1, sorted=True).indices  # [R, kmax]
+    keep = torch.arange(kmax, device=mask.device) < k.unsqueeze(1)  # row r keeps its first k_r
+    hits = (mask.gather(1, top) & keep).sum(-1)
+    return hits.double() / k.clamp(min=1).double()
+
+
+def _score(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None, Hkv: int, G: int) -> None:
+    Hq = probs.shape[0]
+    m = _to_heads(mask, Hq, G)  # [Hq, L]
+    mass = (probs * m).sum(-1)
+    if mask.shape[0] == Hq:  # pooling per query head: the head's own top-k
+        pooled = _topk_recall(probs, mask)
+    else:  # one choice per group: the group's top-k of summed probabilities
+        pooled = _topk_recall(probs.view(Hkv, G, -1).sum(1), mask).repeat_interleave(G)
+    head = _topk_recall(probs, m)
+    if ref is not None:
+        r = _to_heads(ref, Hq, G)
+        iou = (m & r).sum(-1).double() / (m | r).sum(-1).clamp(min=1).double()
+        ref_mass = (probs * r).sum(-1)
+    else:
+        iou = ref_mass = torch.full((Hq,), float("nan"), dtype=torch.float64)
+    for key, v in (("attention_mass_recall", mass), ("topk_recall", pooled), ("topk_recall_head", head),
+                   ("iou", iou), ("oracle_mass_recall", ref_mass)):
+        a.sums[key] += float(v.sum())
+    a.n += Hq
+
+
+def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | None, acc: list[_Acc],
+            seq_len: int, n_queries: int, seconds: float) -> dict:
+    def mean(key: str) -> float | None:
+        vals = [a.mean(key) for a in acc if a.n]
+        vals = [v for v in vals if v == v]  # NaN: no reference
+        return sum(vals) / len(vals) if vals else None
+
+    totals = [a.stats.summary() for a in acc]
+    steps = sum(t["sparse_steps"] for t in totals)
+
+    def mean_stat(key: str) -> float | None:
+        return sum(t[key] * t["sparse_steps"] for t in totals) / steps if steps else None
+
+    def r4(v):
+        return None if v is None or v != v else round(v, 6)
+
+    per_layer = [{"layer": i, **{k: r4(a.mean(k)) for k in METRICS},
+                  "selectivity": r4(a.stats.summary()["selectivity"]),
+                  "queries_dense": r4(a.dense / a.queries if a.queries else None)}
+                 for i, a in enumerate(acc)]
+    sel = mean_stat("selectivity")
+    dense_q = sum(a.dense for a in acc) / max(sum(a.queries for a in acc), 1)
+    model = acts.manifest.get("model") or {}
+    mass = mean("attention_mass_recall")
+    return {
+        "task": "recall",
+        "metric": "attention_mass_recall",
+        "score": None if mass is None else 100.0 * mass,
+        **{k: mean(k) for k in METRICS},
+        "iou_reference": None if ref is None else ref.config(),
+        "method": spec.method,
+        "method_config": method.config(),
+        "budget": spec.budget,
+        "budget_tokens": resolve_budget(spec.budget, seq_len) if spec.budget else None,
+        "seq_len": seq_len,
+        "n": n_queries,
+        "queries_dense": dense_q,  # share of (layer, query) selections that read the whole context
+        "selectivity": 1.0 if sel is None else sel,
+        "mean_selected": mean_stat("mean_selected"),
+        "mean_sink": mean_stat("mean_sink"),
+        "mean_window": mean_stat("mean_window"),
+        "mean_context": mean_stat("mean_context"),
+        "dense_layers": [],
+        "model": model.get("name", ""),
+        "model_source": lm.source if lm is not None else f"dump {acts.path}",
+        "dump": str(acts.path),
+        "text_source": acts.data.get("source", ""),
+        "artifact": spec.method_options.get("artifact"),
+        "seed": acts.data.get("seed"),  # the dump's query sampling seed
+        "protocol": PROTOCOL,
+        "device": str(lm.device) if lm is not None else "cpu",
+        "seconds": round(seconds, 2),
+        "sparsekv_version": __version__,
+        "per_layer": per_layer,
+    }

@@ -1,0 +1,29 @@
+"""The demo's offline stage: calibrate once on text every machine has, then reuse the artifact."""
+
+import pytest
+
+from sparsekv import demo
+from sparsekv.artifacts import load_artifact
+
+
+def test_demo_artifact_is_made_once_then_reused(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_HOME", str(tmp_path))
+    monkeypatch.setattr(demo, "JARGON", tmp_path / "no-jargon.txt.gz")  # a machine without jargon-text
+    monkeypatch.setattr(demo, "DEMO_TOKENS", 1024)
+    monkeypatch.setattr(demo, "DEMO_SEQ", 512)
+    monkeypatch.setattr(demo, "DEMO_QUERIES", 16)
+    path, report = demo.demo_artifact(tiny, budget=16)
+    assert report is not None and report["source"] == "docstrings of Python's standard library"
+    assert report["tokens"] == 1024 and 0 <= report["mean"]["after"] <= 1
+    art = load_artifact(path, method="adamas", model_fingerprint=tiny.fingerprint())
+    assert art.manifest["config"]["budget"] == 16 and path.is_relative_to(tmp_path)
+    again, report2 = demo.demo_artifact(tiny, budget=16)
+    assert again == path and report2 is None  # reused, not recalibrated
+    other, report3 = demo.demo_artifact(tiny, budget=32)  # another budget: a new version
+    assert other != path and report3 is not None
+
+
+def test_stdlib_text_is_natural_and_deterministic():
+    a, b = demo.stdlib_text(), demo.stdlib_text()
+    assert a == b and len(a) > 50_000 and "the" in a.split()
+    pytest.importorskip("argparse")
