@@ -20,7 +20,9 @@ three xors and one add (each 2-bit field holds a sum <= 3, no carry), then a SWA
 bytes summed over the row, then 8 -> 32 bits once per key): ~10 integer ops per 16 codes and query head, instead of
 ~5 per code. The key's (hi, lo) are computed once and reused by the whole query group, whose query heads loop over
 the key tile loaded once (GQA: each KV head's words are read once). Other (bits, metric) unpack the key tile once
-into codes [keys, words, PW2] and take |d| or d² code by code (the ablations: correct, not tuned).
+into codes [keys, words, PW2] and take |d| or d² code by code (the ablations: correct, not tuned), except 1-bit codes:
+their L1 (= L2) distance is the Hamming distance, xor and a SWAR popcount of each lane into per-byte counts (<= 8),
+summed like the 2-bit path (the SimHash codes of the `lsh` method, 128 bits = 4 lanes per key).
 
 H100 budget at 131072 keys x 8 KV heads x 16 words (D 128): 33.5 MB read, ~10 µs at 3.35 TB/s. With 4 query heads per
 KV head the fast path is ~0.3 G integer instructions (~20 µs at Hopper's 64 INT32 lanes/SM/clock), so it is
@@ -196,6 +198,14 @@ def _l1_2bit_lanes(k_hi, k_lo, q):
 
 
 @triton.jit
+def _popcount_bytes(v):
+    """Per-byte popcounts (each <= 8) of int32 lanes: SWAR, the masks drop the bits an arithmetic >> smears in."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    return (v + (v >> 4)) & 0x0F0F0F0F
+
+
+@triton.jit
 def _bytes_to_int(acc):
     """Sum of the four bytes of each int32 (each <= 255, all >= 0)."""
     acc = (acc & 0x00FF00FF) + ((acc >> 8) & 0x00FF00FF)
@@ -224,9 +234,9 @@ def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr
 @triton.jit
 def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
-                          G: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, LANES32: tl.constexpr,
-                          BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr,
-                          L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
+                          G: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, HAMMING: tl.constexpr,
+                          LANES32: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                          PW2: tl.constexpr, L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
                           BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
@@ -245,6 +255,10 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
             k = k & 0xFFFF  # int16 words sign-extend: keep their 16 bits only
         k_lo = k & 0x55555555
         k_hi = (k >> 1) & 0x55555555
+    elif HAMMING:
+        k = k.to(tl.int32)
+        if not LANES32:
+            k = k & 0xFFFF
     else:  # unpacked once per key tile, shared by the query group
         kf = _fields(k.to(tl.int32) & 0xFFFF, BITS, PW, PW2)
     q_base = QW + b * stride_qb + (kv * G) * stride_qh
@@ -261,6 +275,15 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                 q = q & 0xFFFF
             part = _l1_2bit_lanes(k_hi, k_lo, q)
             if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
+                dist = _bytes_to_int(tl.sum(part, axis=1))
+            else:
+                dist = tl.sum(_bytes_to_int(part), axis=1)
+        elif HAMMING:
+            q = q.to(tl.int32)
+            if not LANES32:
+                q = q & 0xFFFF
+            part = _popcount_bytes(k ^ q[None, :])
+            if BYTE_SUM:  # bytes summed over the row stay <= 255
                 dist = _bytes_to_int(tl.sum(part, axis=1))
             else:
                 dist = tl.sum(_bytes_to_int(part), axis=1)
@@ -322,14 +345,15 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     if k_words.stride(-1) != 1:
         k_words = k_words.contiguous()
     fast = bits == 2 and metric == "l1"
+    hamming = bits == 1  # |a - b| = (a - b)² for bits: both metrics are the Hamming distance
     qw, kw = q_words, k_words
-    if fast:
+    if fast or hamming:
         q32, k32 = _as_lanes(q_words.contiguous()), _as_lanes(k_words)
         if q32 is not None and k32 is not None:
             qw, kw = q32, k32
     NW = qw.shape[-1]
     BLOCK_W = triton.next_power_of_2(NW)
-    if fast:  # [BLOCK_L, BLOCK_W] lanes live in registers across the group loop
+    if fast or hamming:  # [BLOCK_L, BLOCK_W] lanes live in registers across the group loop
         BLOCK_L = block_l or (256 if G <= 4 else 128)
     else:  # the unpacked key tile [BLOCK_L, BLOCK_W, PW2] does: about 8K codes per program
         BLOCK_L = block_l or max(16, 8192 // (BLOCK_W * triton.next_power_of_2(pw)))
@@ -337,7 +361,8 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     _code_distance_kernel[grid](
         qw, kw, out, length, Hkv,
         qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
-        G=G, NW=NW, FAST=fast, LANES32=qw.dtype == torch.int32, BYTE_SUM=fast and NW * 12 <= 255, BITS=bits, PW=pw,
+        G=G, NW=NW, FAST=fast, HAMMING=hamming, LANES32=qw.dtype == torch.int32,
+        BYTE_SUM=(fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255), BITS=bits, PW=pw,
         PW2=triton.next_power_of_2(pw), L2=metric == "l2",
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
     )

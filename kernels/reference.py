@@ -238,3 +238,29 @@ def adamas_distance_reference(q_words: torch.Tensor, k_words: torch.Tensor, d: i
         grouped = dist.view(B, Hkv, Hq // Hkv, -1)
         dist = grouped.sum(2) if pool == "sum" else grouped.amin(2)
     return dist.to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quest (Tang et al., ICML 2024): page upper bounds from the key-wise max and min of each page.
+
+
+def quest_scores_reference(q: torch.Tensor, bounds: torch.Tensor, n_pages: int,
+                           pool: str | None = "max") -> torch.Tensor:
+    """Upper bounds fp32 [B, Hkv, n_pages] (pool "max" over each KV head's query group) or [B, Hq, n_pages] (None):
+    U = Σ_i max(q_i·m_i, q_i·M_i) (Algorithm 1), >= q·k for every key k of the page.
+
+    q: [B, Hq, D] or [B, Hq, 1, D]; bounds: [B, Hkv, >= n_pages, 2D], each page's max M then min m.
+    """
+    if q.dim() == 4:
+        q = q[:, :, 0]
+    B, Hq, D = q.shape
+    Hkv = bounds.shape[1]
+    hi = bounds[:, :, :n_pages, :D].float().repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, P, D], clarity over speed
+    lo = bounds[:, :, :n_pages, D:].float().repeat_interleave(Hq // Hkv, dim=1)
+    qf = q.float().unsqueeze(2)
+    u = torch.maximum(qf * hi, qf * lo).sum(-1)
+    if pool is None:
+        return u
+    if pool != "max":
+        raise ValueError(f"pool must be None or 'max', got {pool!r}")
+    return u.view(B, Hkv, Hq // Hkv, n_pages).amax(2)

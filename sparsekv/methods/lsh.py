@@ -1,0 +1,133 @@
+"""Linear LSH (SimHash): sign bits of random projections, Hamming distance, top-k tokens.
+
+The linear-hashing baseline of Spotlight Attention (shared/papers/spotlight.txt, §3.2 eq. 4 and §4.1 "Linear
+Hashing"), the hashing MagicPIG (Chen et al., 2024) retrieves with: H(x) = sign(x R) with R in
+R^{d x nbits}. `append` hashes every post-RoPE key with its KV head's R and packs the bits 16 per int16 beside K/V;
+at a decode step the query is hashed with the same R and the keys whose codes are closest in Hamming distance are
+attended (eq. 3: matching bits counted, which is nbits - Hamming).
+
+A 1-bit code with threshold 0 and the L1 distance of 1-bit codes are exactly what the Adamas kernels compute with
+bits=1, no transform, thresholds (0,): the projection is a matmul, then `kernels/adamas.py` packs and scores (its
+1-bit path is xor + popcount; the torch references of `kernels/reference.py` off the GPU). No second Hamming kernel.
+
+Defaults and where they come from:
+- nbits 128: Spotlight's code length, for which its linear-hashing baseline is evaluated ("the same hash code length
+  as Spotlight Attention").
+- projection "rotation": Spotlight initialises linear hashing as angular LSH (Andoni et al., 2015), a random rotation
+  from the QR decomposition of a Gaussian matrix with det fixed to +1 (Appendix A.5), "offering better performance
+  than standard random initialization". With nbits > d the columns are ceil(nbits / d) independent rotations side
+  by side. "gaussian" is the plain SimHash hyperplanes (Charikar 2002; MagicPIG).
+- one R per (layer, KV head), as Spotlight has "a distinct MLP for each head in every layer" (§4), seeded from `seed`
+  and the layer index (query heads use their KV head's R), so runs and the GPU/CPU paths agree bit for bit.
+- sink 0, window 0: Spotlight runs with "no local window or global sink tokens" (Table 3, Fig. 3) and evaluates its
+  linear-hashing baseline "under a unified framework" with it (§4.1): the whole budget is chosen by hash.
+  MagicPIG's own defaults (4 sink, 64 local tokens, §4.1) are one `--sink 4 --window 64` away.
+- Spotlight, like Quest, keeps layers 0 and 1 dense ("Frozen Layers [0,1]", Table 2): the runtime's
+  `--dense-layers 0,1`.
+GQA: pooling "group" sums the group's negated Hamming distances (matching bits summed over the group's query heads,
+one choice per KV head); "head" chooses per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_distance_reference,
+                                        adamas_pack_reference)
+
+from ..errors import SparseKVError
+from ..selection import Selection, pool_scores, topk_selection
+from ..sparse_attention import use_kernels
+from .base import CacheShape, LayerState, Method, register
+
+PROJECTIONS = ("rotation", "gaussian")
+SIGN = torch.zeros(1)  # the one threshold of a 1-bit code: bit = 1[x·r > 0]
+
+
+@dataclass
+class LSHState(LayerState):
+    codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, ceil(nbits / 16)]: key hashes, valid up to length
+    proj: torch.Tensor | None = None  # fp32 [Hkv, D, nbits]: this layer's hyperplanes, one set per KV head
+    sign: torch.Tensor | None = None  # fp32 [1]: the threshold 0, on the state's device (no copy inside a graph)
+
+
+@register
+class LSH(Method):
+    name = "lsh"
+    summary = "SimHash sign bits, Hamming distance -> top-k tokens (linear LSH)"
+    default_sink = 0
+    default_window = 0
+
+    def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
+                 pooling: str = "group", nbits: int = 128, seed: int = 0, projection: str = "rotation",
+                 **options: Any):
+        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
+        self.nbits, self.seed, self.projection = int(nbits), int(seed), str(projection)
+        if self.nbits < 1:
+            raise SparseKVError(f"lsh: nbits must be >= 1, got {nbits}")
+        if self.projection not in PROJECTIONS:
+            raise SparseKVError(f"lsh: unknown projection {projection!r}: use 'rotation' or 'gaussian'")
+
+    def new_state(self, layer: int, shape: CacheShape) -> LSHState:
+        words = -(-self.nbits // 16)
+        codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
+                            device=shape.device)
+        proj = self.hyperplanes(layer, shape.kv_heads, shape.head_dim).to(shape.device)
+        return LSHState(codes=codes, proj=proj, sign=torch.zeros(1, device=shape.device))
+
+    def append(self, state: LSHState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
+        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer (eq. 4)."""
+        x = torch.einsum("bhnd,hdm->bhnm", k.float(), state.proj)
+        if use_kernels(k.device):
+            from sparsekv.kernels.adamas import quantize_pack_into
+
+            quantize_pack_into(x, state.sign, state.codes, pos, bits=1, transform=False)
+        else:
+            state.codes[:, :, pos : pos + k.shape[2]] = pack_signs(x)
+
+    def select(self, state: LSHState, q: torch.Tensor, q_pre_rope) -> Selection:
+        split = self.split(state.length)
+        if split.dense:
+            return Selection(state.length, dense=True)
+        scores = self.hash_scores(state, q, split.sink, state.length - split.window)
+        return topk_selection(scores, split, state.length)
+
+    def hash_scores(self, state: LSHState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group"."""
+        B, Hq, _, D = q.shape
+        Hkv = state.codes.shape[1]
+        x = torch.einsum("bhgd,hdm->bhgm", q.float().view(B, Hkv, Hq // Hkv, D), state.proj)
+        x = x.reshape(B, Hq, 1, self.nbits)
+        if use_kernels(q.device):
+            from sparsekv.kernels.adamas import code_scores, quantize_pack
+
+            q_words = quantize_pack(x, state.sign, bits=1, transform=False)
+            return code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
+                               pool="sum" if self.pooling == "group" else None)  # pooled in-kernel
+        dist = adamas_distance_reference(pack_signs(x)[:, :, 0], state.codes[:, :, lo:hi], self.nbits, bits=1)
+        return pool_scores(-dist.float(), Hkv, self.pooling)
+
+    def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
+        """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
+        if self.projection == "gaussian":
+            return torch.randn(kv_heads, d, self.nbits, generator=g)
+        blocks = -(-self.nbits // d)
+        Q, _ = torch.linalg.qr(torch.randn(kv_heads * blocks, d, d, generator=g, dtype=torch.float64))
+        flip = torch.linalg.det(Q) < 0  # Appendix A.5: into SO(d) by flipping the first column
+        Q[flip, :, 0] *= -1
+        R = Q.view(kv_heads, blocks, d, d).permute(0, 2, 1, 3).reshape(kv_heads, d, blocks * d)
+        return R[..., : self.nbits].float().contiguous()
+
+    def config(self) -> dict[str, Any]:
+        cfg = super().config()
+        cfg.update(nbits=self.nbits, seed=self.seed, projection=self.projection)
+        return cfg
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Projections [..., nbits] -> packed sign bits int16 [..., ceil(nbits / 16)] (torch reference of the kernel)."""
+    return adamas_pack_reference(adamas_bucketize_reference(x, SIGN, bits=1), bits=1)
