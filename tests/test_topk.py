@@ -1,7 +1,9 @@
-"""The Triton radix top-k against its torch reference: exact index sets, ties to the lower index, ascending order.
+"""The Triton top-k against its torch reference: exact index sets, ties to the lower index, ascending order.
 
 Small shapes under TRITON_INTERPRET=1 on the CPU (bf16 too: the kernel reads scores as integer bits), and the real
-shapes (32 x 131072, k 2048 / 8192) on the GPU when one is present.
+shapes (32 x 131072, k 2048 / 8192) on the GPU when one is present. The one-launch kernel's in-kernel fallbacks
+(too many candidates: from the candidate slices; too few: from the row) are forced with its tuning knobs (`_cap`
+near k, `_z` very negative), and the older multi-launch radix path with `_path="radix"`.
 """
 
 import pytest
@@ -12,11 +14,19 @@ from sparsekv.kernels.topk import topk
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True, params=["radix", "fused"] if CUDA else ["default"])
+def path(request, monkeypatch):
+    """On a GPU every test runs both paths (CUDA defaults to radix until the fused kernel is validated there)."""
+    if request.param != "default":
+        monkeypatch.setenv("SPARSEKV_TOPK", request.param)
+    return request.param
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _check(x, k):
-    out = topk(x, k)
+def _check(x, k, **knobs):
+    out = topk(x, k, **knobs)
     ref = topk_reference(x.cpu(), k)
     assert out.dtype == torch.int64 and out.shape == ref.shape
     assert torch.equal(out.cpu(), ref)
@@ -81,6 +91,56 @@ def test_batched_shape_out_and_reuse():
     assert topk(x, 0).shape == (2, 3, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forced_fallbacks(dtype):
+    """Both in-kernel fallbacks, on random rows and on rows of ties."""
+    g = _gen(5)
+    rnd = torch.randn(2, 1200, generator=g).to(dtype).to(DEV)
+    ties = torch.randint(0, 4, (2, 1200), generator=g).to(dtype).to(DEV)
+    for x in (rnd, ties):
+        for k in (1, 90, 700):
+            _check(x, k, _cap=max(256, k))  # cap about k: more candidates than registers -> from the slices
+        _check(x, 90, _z=-30.0)  # bound far too high: fewer than k candidates -> from the row
+    _check(rnd, 1200, _z=-30.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_adversarial_rows(dtype):
+    g = _gen(6)
+    n = 2500
+    asc = torch.arange(n, dtype=torch.float32).repeat(2, 1)
+    nan = torch.randn(2, n, generator=g)
+    nan[:, ::2] = float("nan")  # more NaNs than k
+    pad = torch.randn(2, n, generator=g)
+    pad[:, 100:] = float("-inf")  # a long -inf tail, k reaching into it
+    for x, k in [(asc, 300), (asc.flip(-1), 300), (nan, 700), (pad, 900), (pad, 40),
+                 (torch.full((2, n), -2.0), 2499), (torch.randn(2, n, generator=g) * 1e-30, 77)]:
+        _check(x.to(dtype).contiguous().to(DEV), k)
+
+
+def test_chunking_and_radix_path():
+    """Many chunks and tiles per row (the candidate gather), rows a whole number of chunks (no masks in the
+    streaming loop), and the older multi-launch path."""
+    x = torch.randn(3, 3000, generator=_gen(7)).to(DEV)
+    _check(x, 100, _chunk=64, _tile=16)
+    _check(x, 100, _sample=64)
+    even = torch.randn(2, 2048, generator=_gen(8)).to(DEV)
+    for dtype in DTYPES:
+        _check(even.to(dtype), 300)
+    _check(x[:, :1500].contiguous(), 250, _path="radix")
+    _check(x[:, :1500].to(torch.bfloat16), 250, _path="radix")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_operand_reductions(dtype):
+    """The GPU's two-operand reductions (counts, max and min), forced in the interpreter too."""
+    g = _gen(9)
+    cases = [(torch.randn(2, 1500, generator=g), 60, {}), (torch.randint(0, 3, (2, 1024), generator=g), 200, {}),
+             (torch.randn(2, 1500, generator=g), 60, dict(_cap=256))]
+    for x, k, knobs in cases:
+        _check(x.to(dtype).to(DEV), k, _pair=True, **knobs)
+
+
 def test_bad_arguments():
     x = torch.randn(2, 10, device=DEV)
     with pytest.raises(ValueError, match="row length"):
@@ -110,8 +170,31 @@ def test_gpu_real_shapes(dtype, k):
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_gpu_constant_rows_and_small_shapes():
     _check(torch.full((4, 131072), 3.0, device="cuda"), 2048)
-    for n, k in [(1, 1), (7, 7), (4097, 1), (5000, 4999)]:
+    for n, k in [(1, 1), (7, 7), (4097, 1), (5000, 4999), (32768, 2048), (70000, 8192)]:
         _check(torch.randn(3, n, device="cuda"), k)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_gpu_adversarial_rows(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    n = 131072
+    x = torch.randn(rows, n, device="cuda", generator=g)
+    x[0] = torch.arange(n, device="cuda", dtype=torch.float32)  # sorted: a strided sample sees it exactly
+    if rows > 1:
+        x[1] = x[1].sort(descending=True).values
+    if rows > 2:
+        x[2, ::2] = float("nan")  # 65536 NaNs: more candidates than fit
+        x[3, 1000:] = float("-inf")  # -inf padding, k reaches into it
+        x[4] = torch.randint(0, 3, (n,), device="cuda", generator=g).float()  # three values
+        x[5] = 1.0 + torch.randint(0, 600, (n,), device="cuda", generator=g) * 2.0 ** -23  # low bits decide
+    for k in (1, 2048, 8192):
+        _check(x, k)
+        _check(x.to(torch.bfloat16), k)
+    _check(x, 2048, _z=-30.0)  # every row through the from-the-row fallback
+    _check(x, 2048, _cap=2048)  # every row through the from-the-slices fallback
+    for _ in range(20):  # repeated calls: same scratch, same answer (a race would show here)
+        assert torch.equal(topk(x, 2048), topk(x, 2048))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
