@@ -9,7 +9,7 @@ because transformers passes no cache to attention functions.
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin

@@ -118,22 +118,17 @@ def _subtask_table(results: list[dict], title: str) -> Table | None:
 
 
 def _specs(methods: list[str], budgets: list[float], seqs: list[int], options: dict, always_dense: bool = False):
-    from .eval.runner import RunSpec, check_budget
-    from .methods import method_names
+    """The grid's cells, validated for every length before minutes are spent on the first one."""
+    from .eval.runner import RunSpec, check_specs
 
-    known = method_names()
-    for m in methods:
-        if m not in known:
-            raise SparseKVError(f"unknown method {m!r}; available: {', '.join(known)}")
+    check_specs([RunSpec(m, None) for m in methods], 1)  # unknown methods first, before option errors
     _check_options_used(methods, {k: v for k, v in options.items() if k not in ("sink", "window", "pooling")})
     if always_dense and "dense" not in methods:
         methods = ["dense", *methods]
     specs = [RunSpec(m, b, _options_for(m, options)) for m in methods
              for b in ([None] if m == "dense" else budgets)]
-    for L in seqs:  # validate the whole grid before spending minutes on its first cell
-        for sp in specs:
-            if sp.budget is not None:
-                check_budget(sp.budget, L)
+    for L in seqs:
+        check_specs(specs, L)
     return specs
 
 

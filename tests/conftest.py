@@ -20,3 +20,12 @@ def tiny():
 @pytest.fixture
 def prompt_ids():
     return torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Token-by-token decoding of a tiny model is all small ops: one thread is fastest (and immune to load)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,7 +1,5 @@
 """Passkey prompts hold their needle where they say, fit their length, and are scored by containment."""
 
-import pytest
-
 from sparsekv.eval import passkey
 from sparsekv.eval.runner import RunSpec, run_task
 

@@ -15,13 +15,7 @@ from sparsekv.methods import get_method
 SEQ, PREFILL, N = 96, 48, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Token-by-token decoding of a tiny model is all small ops: one thread is fastest (and immune to load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

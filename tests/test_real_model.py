@@ -26,3 +26,15 @@ def test_passkey_dense_and_streaming(smollm2):
     assert sum(r["score"] for r in outside) == 0
     oracle = run_task(smollm2, "passkey", RunSpec("oracle", 64), 1024, 5, samples=samples)
     assert oracle["score"] >= stream["score"]
+
+
+def test_ruler_single_needle_dense_and_oracle(smollm2):
+    """RULER's passkey-like subtask at 1K: the real model finds the needle densely and with oracle top-k."""
+    from sparsekv.eval.runner import RunSpec, run_grid
+
+    cells = run_grid(smollm2, "ruler", [RunSpec("dense", None), RunSpec("oracle", 128)], 1024, 3,
+                     task_options={"subtasks": "niah_single_1"})
+    dense, oracle = cells
+    assert dense["per_subtask"][0]["subtask"] == "niah_single_1" and dense["n"] == 3
+    assert dense["score"] >= 66, dense["samples"]
+    assert oracle["score"] >= dense["score"] - 34, oracle["samples"]

@@ -22,10 +22,10 @@ from ..activations import text_tokens
 from ..decode import prefill as dense_prefill
 from ..decode import score_continuation
 from ..errors import SparseKVError
-from ..methods import get_method, method_names
+from ..methods import get_method
 from ..models import LoadedModel
 from ..selection import resolve_budget
-from .runner import RunSpec, check_budget, check_seq
+from .runner import RunSpec, check_seq, check_specs
 
 PROTOCOL = ("perplexity by teacher-forced token-by-token decoding (PG19 protocol of Adamas / RADAR): each window of "
             "seq_len tokens gets a dense prefill of its first `prefill` tokens, then the remaining seq_len - prefill "
@@ -55,14 +55,7 @@ def check_ppl_args(lm: LoadedModel, specs: list[RunSpec], n_tokens: int, seq_len
         raise SparseKVError(f"perplexity over {n} window(s) of {seq_len} tokens needs {n * seq_len} tokens; "
                             f"the text has {n_tokens}")
     check_seq(lm, seq_len, 0)
-    if not specs:
-        raise SparseKVError("no methods to evaluate")
-    known = method_names()
-    for spec in specs:
-        if spec.method not in known:
-            raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(known)}")
-        if spec.budget is not None:
-            check_budget(spec.budget, seq_len)
+    check_specs(specs, seq_len)
 
 
 def ppl_grid(lm: LoadedModel, specs: list[RunSpec], token_ids: list[int] | torch.Tensor, seq_len: int, prefill: int,

@@ -39,10 +39,10 @@ from .. import __version__
 from ..activations import Activations, check_fingerprint
 from ..cache import DecodeStats
 from ..errors import SparseKVError
-from ..methods import CacheShape, Method, get_method, method_names
+from ..methods import CacheShape, Method, get_method
 from ..models import LoadedModel
 from ..selection import Selection, resolve_budget
-from .runner import RunSpec, check_budget
+from .runner import RunSpec, check_specs
 
 PROTOCOL = ("selection quality on dumped activations (offline, no model forward): for each dumped query at position "
             "p, the method's state is grown over keys [0, p] of its sequence in position order with new_state/append "
@@ -117,15 +117,8 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
     `num_layers * n` calls. `min_context`: skip queries that see fewer keys (e.g. the budget, to leave out
     queries whose selection is trivially the whole context; those count in `queries_dense` otherwise).
     """
-    if not specs:
-        raise SparseKVError("no methods to evaluate")
     seq_len = max(acts.seq_lengths)
-    known = method_names()
-    for spec in specs:
-        if spec.method not in known:
-            raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(known)}")
-        if spec.budget is not None:
-            check_budget(spec.budget, seq_len)
+    check_specs(specs, seq_len)
     if lm is not None:
         check_fingerprint(acts.path, acts.manifest.get("model") or {}, lm.fingerprint())
     target = lm if lm is not None else DumpModel.from_dump(acts)
@@ -147,7 +140,7 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
         _bind(m, target)
 
     rows = query_rows(acts, max_queries, min_context)
-    L, Hkv, Hq, D = acts.num_layers, acts.kv_heads, acts.q_heads, acts.head_dim
+    L = acts.num_layers
     acc = [[_Acc() for _ in range(L)] for _ in specs]
     seconds = [0.0] * len(specs)
     pre_rope = any(m.needs_pre_rope for m in runners)

@@ -58,6 +58,18 @@ def check_budget(budget: float, seq_len: int) -> None:
         raise SparseKVError(f"budget {b} tokens is larger than the context ({seq_len} tokens)")
 
 
+def check_specs(specs: list[RunSpec], seq_len: int) -> None:
+    """Every cell names a known method and a budget that fits the context (checked before any work starts)."""
+    if not specs:
+        raise SparseKVError("no methods to evaluate")
+    known = method_names()
+    for spec in specs:
+        if spec.method not in known:
+            raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(known)}")
+        if spec.budget is not None:
+            check_budget(spec.budget, seq_len)
+
+
 def check_seq(lm: LoadedModel, seq_len: int, gen_tokens: int) -> None:
     if seq_len <= 0:
         raise SparseKVError(f"seq must be positive, got {seq_len}")
@@ -86,12 +98,7 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
     """Several methods/budgets at one length. Sample-major: each prompt is prefilled once (prefill is dense
     whatever the method) and every method decodes from that prefill."""
     check_task(task, generation_only=True)
-    known = method_names()
-    for spec in specs:
-        if spec.method not in known:
-            raise SparseKVError(f"unknown method {spec.method!r}; available: {', '.join(known)}")
-        if spec.budget is not None:
-            check_budget(spec.budget, seq_len)
+    check_specs(specs, seq_len)
     skipped: dict[str, str] = {}
     if samples is None:
         samples, skipped = make_samples(lm, task, seq_len, n, seed, task_options)

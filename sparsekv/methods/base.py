@@ -6,7 +6,7 @@ branch on method names. A method implements its own maths and nothing the runtim
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
