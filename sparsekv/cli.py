@@ -296,6 +296,9 @@ def eval_cmd(
         raise SparseKVError(f"haystack file not found: {haystack_file}")
     if task == "recall" and acts is None:
         raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
+    if task == "ppl":
+        for L in seqs:
+            _prefill_len(L, prefill)  # bad --prefill fails before the model loads
     lm = _load(model, device, dtype)
     if task == "ppl":
         results = _run_ppl(lm, methods, budgets, seqs, n, layers, options, text_file, dataset, prefill)
@@ -353,9 +356,9 @@ def demo(
             console.print(f"adamas: reusing the calibrated artifact {path}")
         else:
             m = report["mean"]
-            console.print(f"adamas: calibrated on {report['tokens']} tokens of {report['source']} -> {path}; held-out "
-                          f"recall of "
-                          f"the exact top-{budget}: paper thresholds {m['before']:.3f}, fitted {m['after']:.3f}")
+            console.print(f"adamas: calibrated on {report['tokens']} tokens of {report['source']} -> {path}; "
+                          f"held-out recall of the exact top-{budget}: paper thresholds {m['before']:.3f}, "
+                          f"fitted {m['after']:.3f}")
         methods.append("adamas")
         options["artifact"] = str(path)
     results = _run_grid(lm, "passkey", methods, [budget], [seq], n, 42, (), options)
