@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..plotting import require_matplotlib
+from ..plotting import require_matplotlib, save_figure
 
 
 def plot_result(result: dict, path: Path) -> Path:
@@ -31,8 +31,4 @@ def plot_result(result: dict, path: Path) -> Path:
                  f"({result['timer'].split(' ')[0]}){cpu}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, plt)
