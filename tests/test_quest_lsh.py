@@ -318,7 +318,7 @@ def test_budget_covering_the_context_is_dense(name):
     assert not get_method(name, budget=0.5).select(st, torch.randn(1, 1, 1, 8), None).dense
 
 
-@pytest.mark.parametrize("name", ["quest", "lsh"])
+@pytest.mark.parametrize("name", ["adamas", "quest", "lsh"])
 def test_runtime_full_budget_equals_dense(tiny, prompt_ids, name):
     a = generate(tiny, prompt_ids, get_method(name, budget=400), 8, keep_logits=True, stop_on_eos=False)
     d = generate(tiny, prompt_ids, get_method("dense"), 8, keep_logits=True, stop_on_eos=False)
