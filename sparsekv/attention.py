@@ -39,8 +39,7 @@ def sparsekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     state = cache.layer_state(layer)
     q_pre = cache.pre_rope(query, state.length - 1) if cache.method.needs_pre_rope else None
     sel = cache.method.select(state, query, q_pre)
-    cache.stats.add(state.length, sel.attended(), sel.n_selected if not sel.dense else state.length, sel.sink,
-                    sel.window)
+    cache.stats.add_selection(sel)
     out = sparse_decode(query, state.keys, state.values, sel, scale)
     return out.transpose(1, 2).contiguous(), None
 

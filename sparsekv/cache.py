@@ -27,30 +27,43 @@ def active_cache() -> "SparseCache | None":
 
 @dataclass
 class DecodeStats:
-    """Running totals of what sparse decode steps read, for selectivity and the result JSON."""
+    """Running totals of what sparse decode steps read, for selectivity and the result JSON.
+
+    `selected` may arrive as a 0-dim device tensor (a selection with padding): it is summed on the device and read
+    once, in `summary`, so the decode loop never waits for the GPU to count."""
 
     steps: int = 0  # (layer, step) pairs that went through a method's select
-    attended: float = 0.0  # keys attended, summed over those pairs (mean over heads)
-    available: float = 0.0  # keys in the cache, summed likewise
-    selected: float = 0.0
+    available: float = 0.0  # keys in the cache, summed over those pairs
+    selected: float | torch.Tensor = 0.0  # sparse-part keys (mean over heads), summed likewise
     sink: float = 0.0
     window: float = 0.0
 
-    def add(self, length: int, attended: int, selected: int, sink: int, window: int) -> None:
+    def add(self, length: int, selected: int | float | torch.Tensor, sink: int, window: int) -> None:
         self.steps += 1
-        self.attended += attended
         self.available += length
-        self.selected += selected
+        self.selected = self.selected + selected
         self.sink += sink
         self.window += window
 
+    def add_selection(self, sel) -> None:
+        """One step's `Selection` (a dense one counts every key as selected, none as sink or window)."""
+        if sel.dense:
+            self.add(sel.length, sel.length, 0, 0)
+        else:
+            self.add(sel.length, sel.selected_count(), sel.sink, sel.window)
+
+    @property
+    def attended(self) -> float:
+        return self.sink + self.window + float(self.selected)
+
     def summary(self) -> dict:
         n = max(self.steps, 1)
+        selected, attended = float(self.selected), self.attended
         return {
             "sparse_steps": self.steps,
-            "selectivity": self.attended / self.available if self.available else 1.0,
-            "mean_attended": self.attended / n,
-            "mean_selected": self.selected / n,
+            "selectivity": attended / self.available if self.available else 1.0,
+            "mean_attended": attended / n,
+            "mean_selected": selected / n,
             "mean_sink": self.sink / n,
             "mean_window": self.window / n,
             "mean_context": self.available / n,

@@ -70,9 +70,35 @@ def _csv(text: str, kind=str, what: str = "value") -> list:
         raise SparseKVError(f"cannot read {what} list {text!r}: expected comma-separated numbers") from None
 
 
+class _LoggedProgress(Progress):
+    """A rich Progress that, when the console is not a terminal (a batch job's log), also prints a plain line per
+    task at most every `every` seconds: a live bar draws nothing there until the end, so a job that is killed
+    would leave no trace of how far it got."""
+
+    every = 30.0
+
+    def __init__(self, *columns, **kw):
+        super().__init__(*columns, **kw)
+        self._logged: dict = {}  # task id -> monotonic time of its last line
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        if self.console.is_terminal:
+            return
+        task = next(t for t in self.tasks if t.id == task_id)
+        now = time.monotonic()
+        last = self._logged.setdefault(task_id, now)  # the first advance starts the clock
+        done = task.total is not None and task.completed >= task.total
+        if done or now - last >= self.every:
+            self._logged[task_id] = now
+            total = "?" if task.total is None else f"{task.total:g}"
+            self.console.print(f"{task.description}: {task.completed:g}/{total} in {task.elapsed or 0:.0f} s",
+                               highlight=False)
+
+
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=False)
+    return _LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           console=console, transient=False)
 
 
 def _write_json(path: Optional[Path], payload) -> None:
@@ -511,7 +537,7 @@ def bench(
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,
-    topk: Annotated[bool, typer.Option(help="also time top-k alone: our radix select vs torch.topk")] = True,
+    topk: Annotated[bool, typer.Option(help="also time top-k alone: our fused and radix selects vs torch.topk")] = True,
     require_gpu: Annotated[bool, typer.Option(help="exit 2 instead of falling back to the CPU")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result here")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="write a PNG of µs vs seq (needs matplotlib)")] = None,

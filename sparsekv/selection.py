@@ -32,13 +32,23 @@ class Selection:
     buckets: torch.Tensor | None = None  # [B, H, nl] chosen bucket ids (CSR)
     bucket_offsets: torch.Tensor | None = None  # [B, H, n_buckets + 1] CSR offsets into bucket_tokens
     bucket_tokens: torch.Tensor | None = None  # [B, H, T] token positions grouped by bucket
+    padded: bool = True  # False when `indices` holds no -1 (a top-k result): its count is known on the host
 
     @property
     def n_selected(self) -> int:
         """Sparse-part keys per selection head (padding counted out, averaged over rows and heads)."""
+        return round(float(self.selected_count()))
+
+    def selected_count(self) -> int | torch.Tensor:
+        """n_selected without a host sync where the count lives on the device (a 0-dim tensor then): the decode
+        loop adds it to its statistics every layer and step, and a sync there would stall the launch queue."""
         if self.dense:
             return self.length - self.sink - self.window
-        return round(float(self.sparse_positions().ge(0).sum(-1).float().mean())) if self.has_sparse else 0
+        if not self.has_sparse:
+            return 0
+        if self.indices is not None and not self.padded:
+            return self.indices.shape[-1]
+        return self.sparse_positions().ge(0).sum(-1).float().mean()
 
     @property
     def has_sparse(self) -> bool:
@@ -135,17 +145,17 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
     k = min(split.k, scores.shape[-1])
     if k <= 0:
         return Selection(length, split.sink, split.window)
-    return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink)
+    return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink, padded=False)
 
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim: our radix-select kernel on the GPU (exact, ties to the
-    lower index, no sort), torch.topk elsewhere."""
+    """Indices of the k largest scores along the last dim: our select kernels on the GPU (`kernels/topk.py`, exact,
+    ties to the lower index, no sort; the radix path unless $SPARSEKV_TOPK says otherwise), torch.topk elsewhere."""
     from .sparse_attention import use_kernels
 
     if use_kernels(scores.device):
-        from sparsekv.kernels.topk import topk as radix_topk
+        from sparsekv.kernels.topk import topk as select_topk
 
         flat = scores.reshape(-1, scores.shape[-1]).contiguous()
-        return radix_topk(flat, k).view(*scores.shape[:-1], k)
+        return select_topk(flat, k).view(*scores.shape[:-1], k)
     return torch.topk(scores.float(), k, dim=-1, sorted=False).indices

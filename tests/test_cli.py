@@ -49,6 +49,8 @@ def test_eval_writes_json(tmp_path):
     assert [x["method"] for x in rows] == ["oracle", "dense"]
     assert rows[0]["budget"] == 16 and rows[0]["selectivity"] < 0.1 and rows[1]["selectivity"] == 1.0
     assert "oracle" in r.stdout and "dense" in r.stdout
+    # not a terminal (a batch job's log): the progress bar also leaves plain lines, at least the last one
+    assert "2 method/budget cells: 4/4 in " in r.stdout, r.stdout
 
 
 def test_generate_runs(tmp_path):

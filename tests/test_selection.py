@@ -96,6 +96,25 @@ def test_block_and_csr_selections_expand_to_the_same_tokens():
     assert csr.attended() == 2 + 4 + 3
 
 
+def test_selected_counts_need_no_host_sync():
+    """A top-k selection's count is a host int; a padded one's is a 0-dim tensor the stats sum without reading."""
+    from sparsekv.cache import DecodeStats
+    from sparsekv.selection import topk_selection
+
+    sel = topk_selection(torch.randn(1, 2, 40), split_budget(16, 2, 4, 46), 46)
+    assert sel.selected_count() == 10 and not sel.padded and sel.n_selected == 10
+    padded = Selection(46, sink=2, window=4, indices=torch.tensor([[[5, 6, -1], [7, -1, -1]]]))
+    assert isinstance(padded.selected_count(), torch.Tensor) and padded.n_selected == 2  # (2 + 1) / 2 rounds to 2
+    stats = DecodeStats()
+    stats.add_selection(sel)
+    stats.add_selection(padded)
+    stats.add_selection(Selection(46, dense=True))
+    s = stats.summary()
+    assert s["sparse_steps"] == 3 and s["mean_selected"] == pytest.approx((10 + 1.5 + 46) / 3)
+    assert s["mean_attended"] == pytest.approx((16 + 7.5 + 46) / 3)
+    assert s["selectivity"] == pytest.approx((16 + 7.5 + 46) / (3 * 46))
+
+
 def test_unknown_method_and_option_are_clear():
     with pytest.raises(SparseKVError, match="unknown method .nope.; available: .*dense"):
         get_method("nope")

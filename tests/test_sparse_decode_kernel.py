@@ -126,6 +126,26 @@ def test_dense_decode_matches_reference(G):
            sparse_decode_reference(q, k, v, Selection(338, dense=True), 0.125, lengths=lens), torch.float32)
 
 
+def test_dense_attention_decode_runs_the_kernel(monkeypatch):
+    """An unmasked decode step (one query) with kernels on goes to dense_decode, not SDPA, and agrees with SDPA."""
+    import sparsekv.kernels.sparse_decode as kmod
+    from sparsekv.sparse_attention import dense_attention
+
+    q, k, v = _data(1, 3, 3, 70, 64, torch.float32)
+    k, v = k[:, :, :70], v[:, :, :70]  # a slice of a longer buffer, as the cache hands it over
+    monkeypatch.setenv("SPARSEKV_KERNELS", "0")
+    ref = dense_attention(q, k, v, 0.125)
+    calls = []
+    monkeypatch.setattr(kmod, "dense_decode", lambda *a, **kw: calls.append(1) or kmod.sparse_decode(
+        a[0], a[1], a[2], Selection(a[3], dense=True), a[4]))
+    monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    _close(dense_attention(q, k, v, 0.125), ref, torch.float32)
+    assert calls == [1]
+    mask = torch.ones(1, 1, 1, 70, dtype=torch.bool, device=DEV)  # a mask (padding) keeps SDPA
+    _close(dense_attention(q, k, v, 0.125, mask=mask), ref, torch.float32)
+    assert calls == [1]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_real_shapes(dtype):

@@ -94,7 +94,7 @@ def build_index(method, x: Inputs, shape: Shape, seq: int) -> LayerState:
 def kernel_backends(device: torch.device) -> dict:
     """Which implementation runs the attention: the Triton kernels when they import (on a GPU), else the torch
     reference, with the import error kept for the result."""
-    out = {"sparse_decode": "torch-reference", "dense_decode": "torch-reference", "errors": {}}
+    out = {"sparse_decode": "torch-reference", "dense_decode": "torch-reference", "topk": "torch.topk", "errors": {}}
     if not use_kernels(device):
         out["reason"] = "no CUDA device" if device.type != "cuda" else "SPARSEKV_KERNELS=0"
         return out
@@ -106,6 +106,12 @@ def kernel_backends(device: torch.device) -> dict:
             out[name] = tag
         except Exception as e:  # a kernel not landed yet: time the torch path and say so
             out["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        from sparsekv.kernels.topk import default_path
+
+        out["topk"] = f"{tag} ({default_path(device.type == 'cuda')} path)"
+    except Exception as e:
+        out["errors"]["topk"] = f"{type(e).__name__}: {e}"[:300]
     return out
 
 

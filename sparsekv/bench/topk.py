@@ -1,4 +1,5 @@
-"""Top-k over long score rows, alone: our radix select (`sparsekv.kernels.topk`) against `torch.topk`.
+"""Top-k over long score rows, alone: our two select paths (`sparsekv.kernels.topk`: the one-launch fused kernel
+and the multi-launch radix select) against `torch.topk`.
 
 The rows are what a decode step ranks for oracle-style selection with per-head pooling: one fp32 row of `seq`
 scores per (batch row, query head), k = the keys the budget leaves after sink and window.
@@ -24,9 +25,10 @@ def topk_rows(rows: int, n: int, k: int, device: torch.device, copy_gbps: float,
         try:
             from sparsekv.kernels.topk import topk
 
-            ops.insert(0, ("radix topk", "triton", lambda s: topk(s, k)))
-        except Exception as e:  # kernel not landed: torch.topk alone, and the reason
-            ops.insert(0, ("radix topk", f"unavailable: {type(e).__name__}: {e}"[:200], None))
+            ops[:0] = [("fused topk", "triton", lambda s: topk(s, k, _path="fused")),
+                       ("radix topk", "triton", lambda s: topk(s, k, _path="radix"))]
+        except Exception as e:  # kernels not importable: torch.topk alone, and the reason
+            ops.insert(0, ("topk kernels", f"unavailable: {type(e).__name__}: {e}"[:200], None))
     out = []
     for name, kernel, fn in ops:
         row = {"op": name, "kernel": kernel, "rows": rows, "n": n, "k": k, "dtype": "float32", "bytes_read": nbytes}

@@ -225,7 +225,7 @@ def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre,
             sel = sels[i]
             a.queries += 1
             a.dense += int(bool(mask.all()))
-            a.stats.add(end, sel.attended(), sel.n_selected if not sel.dense else end, sel.sink, sel.window)
+            a.stats.add_selection(sel)
         if on_item:
             on_item()
 

@@ -1,0 +1,5 @@
+"""`python -m sparsekv ...`: the same CLI as the `sparsekv` console script."""
+
+from .cli import main
+
+main()
