@@ -44,10 +44,10 @@ streaming loop then spent a third of its instructions and most of its barriers o
 scattered stores (the loads' 4-per-thread layout against the stores' 1-per-thread one); `_scatter_offsets`
 removes them, the candidates are picked by one float compare, the bound's thresholds need no division or guard,
 the selection loads indices with the keys and takes max and min in one reduction, and S is 8192 (37.7 us
-measured with S alone changed). That final form, on the H100 (.scratch-style correctness + timing script, same checks as above plus 200 fresh
-32 x 131072 rows, graph capture and 300 repeats: all exact): 31.9 us (33.0 rotated; torch.topk 94.3 / 101.5),
-29.1 us with 2048-score tiles; 8 x 131072: 26.6 (torch 65.6); bf16: 32.6 (torch 70.1); k 8192: 45.1 (torch 96.7);
-32 x 32768: 18.9 (torch 59.9). Fallback costs (earlier form): a constant row 197 us, every row from its
+measured with S alone changed). That final form, on the H100 (.scratch-style correctness + timing script, same
+checks as above plus 200 fresh 32 x 131072 rows, graph capture and 300 repeats: all exact): 31.9 us (33.0
+rotated; torch.topk 94.3 / 101.5), 29.1 us with 2048-score tiles; 8 x 131072: 26.6 (torch 65.6); bf16: 32.6
+(torch 70.1); k 8192: 45.1 (torch 96.7); 32 x 32768: 18.9 (torch 59.9). Fallback costs (earlier form): a constant row 197 us, every row from its
 candidate slices 103 us, every row from the row itself 1.05 ms.
 """
 

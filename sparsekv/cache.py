@@ -52,13 +52,10 @@ class DecodeStats:
         else:
             self.add(sel.length, sel.selected_count(), sel.sink, sel.window)
 
-    @property
-    def attended(self) -> float:
-        return self.sink + self.window + float(self.selected)
-
     def summary(self) -> dict:
         n = max(self.steps, 1)
-        selected, attended = float(self.selected), self.attended
+        selected = float(self.selected)  # the one read of a device-side total
+        attended = self.sink + self.window + selected
         return {
             "sparse_steps": self.steps,
             "selectivity": attended / self.available if self.available else 1.0,
