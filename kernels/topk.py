@@ -731,10 +731,21 @@ def _fused_scratch(device: torch.device, rows: int, p: int, chunk: int) -> dict[
     return _SCRATCH[key]
 
 
-def default_path(cuda: bool) -> str:
-    """The path `topk` takes when not told: $SPARSEKV_TOPK, else "radix" on CUDA (see topk's docstring for why) and
-    "fused" in the interpreter."""
-    return os.environ.get("SPARSEKV_TOPK") or ("radix" if cuda else "fused")
+def default_path(cuda: bool, n: int | None = None) -> str:
+    """The path `topk` takes for rows of n scores when not told: $SPARSEKV_TOPK, else on CUDA "fused" for rows of at
+    most _CAP_MAX scores and "radix" for longer ones (see topk's docstring for why), and "fused" in the
+    interpreter."""
+    env = os.environ.get("SPARSEKV_TOPK")
+    if env:
+        return env
+    return "fused" if not cuda or (n is not None and n <= _CAP_MAX) else "radix"
+
+
+def describe_default(cuda: bool) -> str:
+    """default_path's rule in words, for result files."""
+    if os.environ.get("SPARSEKV_TOPK") or not cuda:
+        return f"{default_path(cuda)} path"
+    return f"fused path for rows of up to {_CAP_MAX} scores, radix above"
 
 
 def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
@@ -748,10 +759,13 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     NaN ranks above +inf and -0.0 ties with +0.0, as in torch.sort / torch.topk. No host sync, so it can be
     captured in a CUDA graph. Works on CUDA and under TRITON_INTERPRET=1 on the CPU. The underscored arguments
     are tuning knobs. Path: the one-launch fused kernel, or the multi-launch radix select (`_path`, else
-    $SPARSEKV_TOPK). On CUDA the default is "radix": the fused kernel is exact and 3x faster than torch.topk on
-    continuous scores, but Adamas' and LSH's score rows (pooled integer code distances) are full of ties, and there
-    it falls back to its slow paths (H100, `sparsekv bench` at 131072: adamas step 306 µs with it vs 117 µs with
-    radix, lsh 319 vs 105). Elsewhere (the interpreter) it is "fused".
+    $SPARSEKV_TOPK). On CUDA the default is "radix" for rows longer than _CAP_MAX: the fused kernel is exact and 3x
+    faster than torch.topk on continuous scores, but Adamas' and LSH's score rows (pooled integer code distances)
+    are full of ties, and there it falls back to its slow paths (H100, `sparsekv bench` at 131072: adamas step
+    306 µs with it vs 117 µs with radix, lsh 319 vs 105). Rows of at most _CAP_MAX scores take the fused kernel
+    with every score a candidate (no sampled bound, so ties cannot send it to a fallback): one launch instead of
+    six, which is what an eager decode step pays for (~40 µs of Python per Triton launch on the H100 machine).
+    Elsewhere (the interpreter) it is "fused", with the sampled bound as on long rows, so the tests reach it.
     """
     if scores.dtype not in _KEY_BITS:
         raise ValueError(f"topk: scores must be float32, float16 or bfloat16, got {scores.dtype}")
@@ -775,7 +789,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         return out
     o = out.view(rows, k)
     plan = None
-    path = _path or default_path(scores.is_cuda)
+    path = _path or default_path(scores.is_cuda, n)
     if path not in ("radix", "fused"):
         raise ValueError(f"topk: path must be 'radix' or 'fused', got {path!r}")
     if path == "fused":
@@ -783,7 +797,8 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
             if scores.device not in _N_SM:
                 _N_SM[scores.device] = torch.cuda.get_device_properties(scores.device).multi_processor_count
             n_sm = _N_SM[scores.device]
-            plan = _plan(n, k, rows, n_sm, _chunk, _tile or 4096, _cap, _sample, _z)
+            whole_row = _cap is None and _sample is None and n <= _CAP_MAX  # every score a candidate
+            plan = _plan(n, k, rows, n_sm, _chunk, _tile or 4096, n if whole_row else _cap, _sample, _z)
         else:  # the interpreter: small chunks and tiles, so that the loops and the gather run
             plan = _plan(n, k, rows, 4 * rows, _chunk or 512, _tile or 128, _cap, _sample, _z)
     if plan is None:
@@ -808,4 +823,4 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     return out
 
 
-__all__ = ["default_path", "topk"]
+__all__ = ["default_path", "describe_default", "topk"]

@@ -17,6 +17,7 @@ from .errors import SparseKVError
 from .methods.base import Method
 from .models import LoadedModel
 from .rope import find_rotary
+from .step import make_step
 
 
 @dataclass
@@ -100,6 +101,7 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
     else:
         logits = _load_prefill(cache, prefilled)
     eos = _eos_ids(lm) if stop_on_eos else set()
+    step_fn = make_step(lm, cache)
     out, kept = [], []
     for step in range(max_new_tokens):
         if keep_logits:
@@ -108,9 +110,7 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
         out.append(nxt)
         if nxt in eos or step == max_new_tokens - 1:
             break
-        pos = torch.tensor([[n + step]], device=ids.device)
-        logits = lm.model(input_ids=torch.tensor([[nxt]], device=ids.device), past_key_values=cache,
-                          position_ids=pos, use_cache=True).logits[:, -1]
+        logits = step_fn(torch.tensor([[nxt]], device=ids.device), n + step)
     text = lm.tokenizer.decode(out, skip_special_tokens=True)
     return Generation(out, text, n, cache.stats.summary(), kept)
 
@@ -135,15 +135,14 @@ def score_continuation(lm: LoadedModel, method: Method, prefilled: Prefill, targ
     cache = make_cache(lm, method, n + T - 1 if T > 1 else n, dense_layers)
     logits = _load_prefill(cache, prefilled)
     nll = torch.zeros((), dtype=torch.float64, device=ids.device)  # summed on the device: no sync per step
+    step_fn = make_step(lm, cache)
     for i in range(T):
         nll -= torch.log_softmax(logits[0].float(), dim=-1)[tgt[i]].double()
         if on_step:
             on_step()
         if i == T - 1:
             break
-        pos = torch.tensor([[n + i]], device=ids.device)
-        logits = lm.model(input_ids=tgt[i].view(1, 1), past_key_values=cache, position_ids=pos,
-                          use_cache=True).logits[:, -1]
+        logits = step_fn(tgt[i].view(1, 1), n + i)
     return float(nll), T, cache.stats.summary()
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,8 @@ class LoadedModel:
     tokenizer: object
     name: str  # what results and artifacts call it
     source: str  # where it came from (path, wheel, "in-memory")
+    # the decode step's CUDA graphs (sparsekv.step.GraphedForward), captured on first use and kept with the model
+    graphs: object = field(default=None, repr=False, compare=False)
 
     @property
     def config(self):

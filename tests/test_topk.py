@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsekv.kernels.reference import topk_reference
-from sparsekv.kernels.topk import topk
+from sparsekv.kernels.topk import default_path, describe_default, topk
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -209,3 +209,25 @@ def test_gpu_cuda_graph():
         x.copy_(torch.randn(8, 131072, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
         graph.replay()
         assert torch.equal(out, topk_reference(x, 2048))
+
+
+def test_default_path_rule(monkeypatch):
+    monkeypatch.delenv("SPARSEKV_TOPK", raising=False)
+    assert default_path(False) == "fused" and default_path(False, 10**6) == "fused"  # the interpreter
+    assert default_path(True, 16384) == "fused" and default_path(True, 16385) == "radix"
+    assert default_path(True) == "radix" and "radix above" in describe_default(True)
+    monkeypatch.setenv("SPARSEKV_TOPK", "radix")
+    assert default_path(True, 100) == "radix" and describe_default(True) == "radix path"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("n", [4000, 8191, 16384])
+def test_gpu_default_whole_row_with_ties(n, monkeypatch):
+    """Rows that fit the selecting program take the fused kernel with every score a candidate: exact on tie-heavy
+    integer rows (Adamas / LSH distances), where a sampled bound would send it to its fallback."""
+    monkeypatch.delenv("SPARSEKV_TOPK", raising=False)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    for x in (torch.randint(0, 40, (3, n), device="cuda", generator=g).float(),
+              torch.randn(9, n, device="cuda", generator=g).half(), torch.full((2, n), 1.0, device="cuda")):
+        for k in (1, 118, 1000, n):
+            _check(x, k)

@@ -107,9 +107,9 @@ def kernel_backends(device: torch.device) -> dict:
         except Exception as e:  # a kernel not landed yet: time the torch path and say so
             out["errors"][name] = f"{type(e).__name__}: {e}"[:300]
     try:
-        from sparsekv.kernels.topk import default_path
+        from sparsekv.kernels.topk import describe_default
 
-        out["topk"] = f"{tag} ({default_path(device.type == 'cuda')} path)"
+        out["topk"] = f"{tag} ({describe_default(device.type == 'cuda')})"
     except Exception as e:
         out["errors"]["topk"] = f"{type(e).__name__}: {e}"[:300]
     return out

@@ -1,0 +1,90 @@
+"""The split decode step (the pieces CUDA graphs replay) against the transformers forward it mirrors."""
+
+import functools
+
+import pytest
+import torch
+
+import sparsekv.decode as decode
+from sparsekv.decode import generate
+from sparsekv.errors import SparseKVError
+from sparsekv.methods import get_method
+from sparsekv.models import LoadedModel, byte_tokenizer
+from sparsekv.step import make_step, split_supported
+
+
+def _both(lm, ids, method_args, steps, monkeypatch, mode="split"):
+    ref = generate(lm, ids, get_method(*method_args[:1], **method_args[1]), steps, stop_on_eos=False,
+                   keep_logits=True)
+    monkeypatch.setattr(decode, "make_step", functools.partial(make_step, mode=mode))
+    got = generate(lm, ids, get_method(*method_args[:1], **method_args[1]), steps, stop_on_eos=False,
+                   keep_logits=True)
+    monkeypatch.undo()
+    return ref, got
+
+
+@pytest.mark.parametrize("method", [("dense", {}), ("oracle", {"budget": 8}), ("streaming", {"budget": 16}),
+                                    ("quest", {"budget": 32}), ("lsh", {"budget": 24})])
+def test_split_step_equals_transformers_step(tiny, prompt_ids, method, monkeypatch):
+    ref, got = _both(tiny, prompt_ids, method, 6, monkeypatch)
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert got.stats == pytest.approx(ref.stats)  # the same selections went through the same attention call
+
+
+def _tiny_qwen3() -> LoadedModel:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = byte_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      use_sliding_window=False, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LoadedModel(Qwen3ForCausalLM(cfg).eval(), tok,
+                       "tiny-qwen3", "in-memory")
+
+
+def test_split_step_handles_qwen3_qk_norm(prompt_ids, monkeypatch):
+    from sparsekv.attention import NAME
+
+    lm = _tiny_qwen3()
+    lm.model.set_attn_implementation(NAME)
+    assert split_supported(lm) is None
+    ref, got = _both(lm, prompt_ids, ("oracle", {"budget": 16}), 4, monkeypatch)
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_other_architectures_keep_the_transformers_step(tiny):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    lm = LoadedModel(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300)), byte_tokenizer(),
+                     "tiny-gpt2", "in-memory")
+    assert "not in the Llama family" in split_supported(lm)
+    cache = decode.make_cache(tiny, get_method("dense"), 8)
+    with pytest.raises(SparseKVError, match="cannot run this model"):
+        make_step(lm, cache, mode="split")
+    with pytest.raises(SparseKVError, match="unknown decode-step mode"):
+        make_step(tiny, cache, mode="fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(SparseKVError, match="CUDA"):
+            make_step(tiny, cache, mode="graph")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method", [("dense", {}), ("oracle", {"budget": 8}), ("quest", {"budget": 32})])
+def test_graph_step_equals_transformers_step_on_gpu(method, monkeypatch):
+    from sparsekv.models import tiny_random
+
+    lm = tiny_random(dtype=torch.float16)
+    lm.model.cuda()
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    ref, got = _both(lm, ids, method, 10, monkeypatch, mode="graph")
+    assert lm.graphs is not None
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    again = generate(lm, ids, get_method(method[0], **method[1]), 10, stop_on_eos=False)  # graphs reused
+    assert again.tokens == ref.tokens
