@@ -28,7 +28,8 @@ select, rebuilt around register-resident tiles):
             keys inside it after every pass (a constant row takes one pass), then writes in index order. Forced in
             the tests with `_cap` (too many) and `_z` (too few).
 
-CAP = next_pow2(2k) (<= 16384, so k <= 8192; larger k takes the older multi-launch radix path, `_radix_topk`).
+CAP = next_pow2(2k) (<= 16384, so k <= 8192; larger k takes the older multi-launch radix path, `_radix_topk`); on
+CUDA a row of at most 16384 scores gets CAP = next_pow2(n): every score is a candidate and step 1 is skipped.
 Counters are cleared by the programs that finish with them: no memset, no host sync, no data-dependent shape, so a
 call can be captured in a CUDA graph. Scratch buffers are cached per (device, rows, chunks, chunk size) and left
 clean by every call; calls that share them must be ordered (one stream, or one CUDA graph).

@@ -124,6 +124,7 @@ class GraphedForward:
         self.pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
         # where the eager attention of layer i writes its output, read by piece i + 1
         self.attn_in = [torch.zeros(1, 1, Hq * D, dtype=dtype, device=dev) for _ in range(L)]
+        self.key = weights_key(lm)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outs: list[tuple] = []
         pool = torch.cuda.graph_pool_handle()
@@ -162,6 +163,13 @@ class GraphedForward:
         return outs[L][0]
 
 
+def weights_key(lm: LoadedModel) -> tuple:
+    """What captured graphs depend on: they read the weights at fixed addresses, so a model moved or cast since
+    (new tensors: `.to()` replaces every parameter, so the first and last tell) must be captured again."""
+    params = list(lm.model.parameters())
+    return tuple((p.device, p.dtype, p.data_ptr()) for p in (params[0], params[-1]))
+
+
 def _eager_step(lm: LoadedModel, cache: SparseCache) -> StepFn:
     def step(token: torch.Tensor, pos: int) -> torch.Tensor:
         p = torch.tensor([[pos]], device=token.device)
@@ -194,6 +202,6 @@ def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> S
     if lm.device.type != "cuda":
         raise SparseKVError("CUDA graphs need the model on a CUDA device")
     graphed = lm.graphs
-    if graphed is None:
+    if graphed is None or graphed.key != weights_key(lm):
         graphed = lm.graphs = GraphedForward(SplitForward(lm))
     return lambda token, pos: graphed.step(cache, token, pos)

@@ -88,3 +88,14 @@ def test_graph_step_equals_transformers_step_on_gpu(method, monkeypatch):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     again = generate(lm, ids, get_method(method[0], **method[1]), 10, stop_on_eos=False)  # graphs reused
     assert again.tokens == ref.tokens
+
+
+def test_weights_key_changes_when_the_model_is_cast():
+    from sparsekv.models import tiny_random
+    from sparsekv.step import weights_key
+
+    lm = tiny_random()
+    key = weights_key(lm)
+    assert weights_key(lm) == key
+    lm.model.to(torch.float16)
+    assert weights_key(lm) != key  # graphs captured before would read the old tensors: make_step captures again

@@ -18,7 +18,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(autouse=True, params=["radix", "fused"] if CUDA else ["default"])
 def path(request, monkeypatch):
-    """On a GPU every test runs both paths (CUDA defaults to radix until the fused kernel is validated there)."""
+    """On a GPU every test runs both paths (CUDA's default depends on the row length: test_default_path_rule)."""
     if request.param != "default":
         monkeypatch.setenv("SPARSEKV_TOPK", request.param)
     return request.param
