@@ -9,8 +9,9 @@ embedding, norms, projections, RoPE, MLP, the head - hold no per-step Python sta
 model and replayed for every prompt and method; cache update, the method's select and the sparse-decode call stay
 eager, exactly the code the transformers path runs (`sparsekv_attention`).
 
-The split forward is written for the Llama family (llama, mistral, qwen2, qwen3 without sliding windows): the
-transformers layer code it mirrors is short and shared by those models. Anything else takes the eager call.
+The split forward is written for the Llama family (llama, mistral, qwen2, qwen3; not with sliding windows or a
+RoPE whose tables change with the length): the transformers layer code it mirrors is short and shared by those
+models. Anything else takes the eager call.
 SPARSEKV_GRAPHS=0 turns graphs off (the eager call everywhere); =1 asks for them and fails if they cannot run.
 """
 
@@ -44,6 +45,9 @@ def split_supported(lm: LoadedModel) -> str | None:
     need = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, a) for a in need) or not hasattr(lm.model, "lm_head"):
         return "the model does not have the Llama module layout"
+    rope = getattr(base.rotary_emb, "rope_type", "default")
+    if "dynamic" in rope or "longrope" in rope:  # their tables change with the length (a host-side check)
+        return f"RoPE type {rope!r} recomputes its tables as the context grows"
     return None
 
 
@@ -184,6 +188,8 @@ def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> S
     forward, no graphs: for tests on the CPU), "graph", or None: graphs on CUDA when the model allows and
     SPARSEKV_GRAPHS is not 0, else eager."""
     flag = os.environ.get("SPARSEKV_GRAPHS", "")
+    if mode not in (None, "eager", "split", "graph"):
+        raise SparseKVError(f"unknown decode-step mode {mode!r}: use eager, split or graph")
     if mode is None:
         if flag == "0" or lm.device.type != "cuda":
             mode = "eager" if flag != "1" else "graph"
@@ -197,8 +203,6 @@ def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> S
     if mode == "split":
         split = SplitForward(lm)
         return lambda token, pos: split.step(cache, token, pos)
-    if mode != "graph":
-        raise SparseKVError(f"unknown decode-step mode {mode!r}: use eager, split or graph")
     if lm.device.type != "cuda":
         raise SparseKVError("CUDA graphs need the model on a CUDA device")
     graphed = lm.graphs

@@ -13,12 +13,12 @@ from sparsekv.models import LoadedModel, byte_tokenizer
 from sparsekv.step import make_step, split_supported
 
 
-def _both(lm, ids, method_args, steps, monkeypatch, mode="split"):
-    ref = generate(lm, ids, get_method(*method_args[:1], **method_args[1]), steps, stop_on_eos=False,
-                   keep_logits=True)
+def _both(lm, ids, method, steps, monkeypatch, mode="split"):
+    """(transformers' step, the `mode` step) generations of `steps` tokens with method = (name, options)."""
+    name, options = method
+    ref = generate(lm, ids, get_method(name, **options), steps, stop_on_eos=False, keep_logits=True)
     monkeypatch.setattr(decode, "make_step", functools.partial(make_step, mode=mode))
-    got = generate(lm, ids, get_method(*method_args[:1], **method_args[1]), steps, stop_on_eos=False,
-                   keep_logits=True)
+    got = generate(lm, ids, get_method(name, **options), steps, stop_on_eos=False, keep_logits=True)
     monkeypatch.undo()
     return ref, got
 
@@ -40,9 +40,10 @@ def _tiny_qwen3() -> LoadedModel:
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                       use_sliding_window=False, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return LoadedModel(Qwen3ForCausalLM(cfg).eval(), tok,
-                       "tiny-qwen3", "in-memory")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg).eval()
+    return LoadedModel(model, tok, "tiny-qwen3", "in-memory")
 
 
 def test_split_step_handles_qwen3_qk_norm(prompt_ids, monkeypatch):
@@ -66,6 +67,8 @@ def test_other_architectures_keep_the_transformers_step(tiny):
     cache = decode.make_cache(tiny, get_method("dense"), 8)
     with pytest.raises(SparseKVError, match="cannot run this model"):
         make_step(lm, cache, mode="split")
+    lm.model.config.model_type = "llama"  # a Llama name is not enough: the module layout is checked too
+    assert "module layout" in split_supported(lm)
     with pytest.raises(SparseKVError, match="unknown decode-step mode"):
         make_step(tiny, cache, mode="fast")
     if not torch.cuda.is_available():
@@ -99,3 +102,13 @@ def test_weights_key_changes_when_the_model_is_cast():
     assert weights_key(lm) == key
     lm.model.to(torch.float16)
     assert weights_key(lm) != key  # graphs captured before would read the old tensors: make_step captures again
+
+
+def test_length_dependent_rope_keeps_the_transformers_step():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=256,
+                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    lm = LoadedModel(LlamaForCausalLM(cfg), byte_tokenizer(), "tiny-dynamic-rope", "in-memory")
+    assert "recomputes its tables" in split_supported(lm)
