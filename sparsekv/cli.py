@@ -101,14 +101,23 @@ def _progress() -> Progress:
                            console=console, transient=False)
 
 
-def _write_json(path: Optional[Path], payload) -> None:
+def _write_json(path: Optional[Path], payload, quiet: bool = False) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     tmp.replace(path)
-    console.print(f"wrote {path}")
+    if not quiet:
+        console.print(f"wrote {path}")
+
+
+def _cells_payload(results: list[dict], total_cells: int):
+    """The JSON of a grid: one object for a one-cell run, else a list (partial saves keep the same shape)."""
+    return results[0] if total_cells == 1 and len(results) == 1 else results
+
+
+CHECKPOINT_S = 60.0  # a long grid rewrites its --json (cells marked "complete": false) at most this often
 
 
 def _results_table(results: list[dict], title: str) -> Table:
@@ -159,13 +168,21 @@ def _specs(methods: list[str], budgets: list[float], seqs: list[int], options: d
 
 
 def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: list[int], n: int, seed: int,
-              dense_layers: tuple[int, ...], options: dict, task_options: dict | None = None) -> list[dict]:
-    """Generation tasks (passkey, ruler): per length, make the prompts, then run every cell sample-major."""
+              dense_layers: tuple[int, ...], options: dict, task_options: dict | None = None,
+              checkpoint: Optional[Path] = None) -> list[dict]:
+    """Generation tasks (passkey, ruler): per length, make the prompts, then run every cell sample-major.
+    With `checkpoint`, the results so far are saved there every CHECKPOINT_S seconds (a stopped job keeps them)."""
     from .eval.runner import check_task, make_samples, run_grid
 
     check_task(task, generation_only=True)
     specs = _specs(methods, budgets, seqs, options)
     results = []
+    last_save = [time.perf_counter()]
+
+    def save(partial) -> None:
+        if checkpoint is not None and time.perf_counter() - last_save[0] >= CHECKPOINT_S:
+            _write_json(checkpoint, _cells_payload(results + partial(), len(specs) * len(seqs)), quiet=True)
+            last_save[0] = time.perf_counter()
     with _progress() as progress:
         bar = progress.add_task(task, total=None)
         for L in seqs:
@@ -176,7 +193,7 @@ def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: lis
             progress.update(bar, total=(progress.tasks[0].total or 0) + len(samples) * len(specs),
                             description=f"{task} seq={L}: {len(specs)} method/budget cells")
             cells = run_grid(lm, task, specs, L, n, seed, dense_layers, samples=samples,
-                             on_sample=lambda: progress.advance(bar))
+                             on_sample=lambda: progress.advance(bar), on_partial=save)
             for c in cells:
                 c["skipped_subtasks"] = skipped
             results += cells
@@ -281,7 +298,9 @@ def eval_cmd(
     distance: Annotated[Optional[str], typer.Option(help="adamas ablation: code distance l1 or l2")] = None,
     page_size: Annotated[Optional[int], typer.Option(help="quest: tokens per page")] = None,
     nbits: Annotated[Optional[int], typer.Option(help="lsh: hash bits per key")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here (passkey/ruler also save "
+                                                     "the cells so far every minute, marked \"complete\": "
+                                                     "false)")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="write a PNG of score vs budget, one line per method "
                                                  "(needs matplotlib)")] = None,
     model: ModelOpt = "smollm2-135m",
@@ -332,12 +351,13 @@ def eval_cmd(
         results = _run_recall(acts, lm, methods, budgets, options, max_queries, min_context)
     else:
         task_options = {"subtasks": subtasks, "haystack_file": haystack_file} if task == "ruler" else {}
-        results = _run_grid(lm, task, methods, budgets, seqs, n, seed, layers, options, task_options)
+        results = _run_grid(lm, task, methods, budgets, seqs, n, seed, layers, options, task_options,
+                            checkpoint=json_out)
     console.print(_results_table(results, f"{task} on {lm.name}"))
     sub = _subtask_table(results, f"{task} per subtask (score 0-100)")
     if sub is not None:
         console.print(sub)
-    _write_json(json_out, results[0] if len(results) == 1 else results)
+    _write_json(json_out, _cells_payload(results, len(results)))
     if plot is not None:
         from .eval.plot import plot_scores
 

@@ -113,3 +113,23 @@ def test_eval_recall_on_a_dump(tmp_path):
     assert [x["method"] for x in rows] == ["oracle", "streaming"]
     assert rows[0]["iou"] == pytest.approx(1.0) and rows[0]["topk_recall"] == pytest.approx(1.0)
     assert rows[1]["score"] < rows[0]["score"] and len(rows[0]["per_layer"]) == 2
+
+
+def test_long_grid_saves_the_cells_so_far(tiny, tmp_path, monkeypatch):
+    """A stopped job keeps what it measured: the grid rewrites --json while it runs, cells marked incomplete."""
+    from sparsekv import cli
+
+    out = tmp_path / "r.json"
+    cli._run_grid(tiny, "passkey", ["dense"], [16.0], [300], 2, 42, (), {}, checkpoint=out)
+    assert not out.exists()  # a short run: nothing before the final write (at most one save a minute)
+    saved = []
+    write = cli._write_json
+    monkeypatch.setattr(cli, "CHECKPOINT_S", 0.0)
+    monkeypatch.setattr(cli, "_write_json", lambda path, payload, quiet=False: (saved.append(payload),
+                                                                                write(path, payload, quiet)))
+    results = cli._run_grid(tiny, "passkey", ["dense", "oracle"], [16.0], [300], 3, 42, (), {}, checkpoint=out)
+    assert [[c["n"] for c in p] for p in saved] == [[1, 1], [2, 2], [3, 3]]  # after every prompt
+    assert all(c["complete"] is False for p in saved for c in p)
+    assert all(c["complete"] is True for c in results) and [c["n"] for c in results] == [3, 3]
+    on_disk = json.loads(out.read_text())
+    assert [c["method"] for c in on_disk] == ["dense", "oracle"] and on_disk[0]["complete"] is False

@@ -94,9 +94,14 @@ def run_task(lm: LoadedModel, task: str, spec: RunSpec, seq_len: int, n: int, se
 
 def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: int, seed: int = 42,
              dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None,
-             task_options: dict | None = None) -> list[dict]:
+             task_options: dict | None = None,
+             on_partial: Callable[[Callable[[], list[dict]]], None] | None = None) -> list[dict]:
     """Several methods/budgets at one length. Sample-major: each prompt is prefilled once (prefill is dense
-    whatever the method) and every method decodes from that prefill."""
+    whatever the method) and every method decodes from that prefill.
+
+    `on_partial(results_so_far)` is called after each prompt with a function that builds the cells' results over
+    the prompts done so far (marked "complete": False): a caller can save them, so a run that is stopped keeps
+    what it measured. The returned results are marked "complete": True."""
     check_task(task, generation_only=True)
     check_specs(specs, seq_len)
     skipped: dict[str, str] = {}
@@ -110,6 +115,11 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
     rows: list[list[dict]] = [[] for _ in specs]
     stats: list[list[dict]] = [[] for _ in specs]
     seconds = [0.0] * len(specs)
+
+    def results(complete: bool) -> list[dict]:
+        return [{**_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec, skipped),
+                 "complete": complete} for spec, m, r, st, sec in zip(specs, methods, rows, stats, seconds)]
+
     for s in samples:
         t0 = time.perf_counter()
         pf = prefill(lm, s.ids)
@@ -124,8 +134,10 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
             stats[i].append(g.stats)
             if on_sample:
                 on_sample()
-    return [_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec, skipped)
-            for spec, m, r, st, sec in zip(specs, methods, rows, stats, seconds)]
+        if on_partial:
+            on_partial(lambda: results(False))
+
+    return results(True)
 
 
 def _mean(xs: list[float]) -> float:
