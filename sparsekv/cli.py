@@ -178,10 +178,12 @@ def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: lis
     specs = _specs(methods, budgets, seqs, options)
     results = []
     last_save = [time.perf_counter()]
+    skipped: dict[str, str] = {}
 
     def save(partial) -> None:
         if checkpoint is not None and time.perf_counter() - last_save[0] >= CHECKPOINT_S:
-            _write_json(checkpoint, _cells_payload(results + partial(), len(specs) * len(seqs)), quiet=True)
+            cells = [{**c, "skipped_subtasks": skipped} for c in partial()]
+            _write_json(checkpoint, _cells_payload(results + cells, len(specs) * len(seqs)), quiet=True)
             last_save[0] = time.perf_counter()
     with _progress() as progress:
         bar = progress.add_task(task, total=None)

@@ -133,3 +133,4 @@ def test_long_grid_saves_the_cells_so_far(tiny, tmp_path, monkeypatch):
     assert all(c["complete"] is True for c in results) and [c["n"] for c in results] == [3, 3]
     on_disk = json.loads(out.read_text())
     assert [c["method"] for c in on_disk] == ["dense", "oracle"] and on_disk[0]["complete"] is False
+    assert on_disk[0]["skipped_subtasks"] == {}  # the same fields as the final cells
