@@ -100,25 +100,20 @@ def _layout(D: int, bits: int) -> tuple[int, int, int, int, int]:
     return PW, PW2, W, BLOCK_WC, triton.cdiv(W, BLOCK_WC)
 
 
-_PERMUTED: dict[tuple, torch.Tensor] = {}
-
-
 def _permuted_signs(D: int, bits: int, dtype: torch.dtype, device) -> torch.Tensor:
     """±1 Hadamard matrix [BLOCK_D, N_WC·BLOCK_WC·PW2]: column w·PW2 + i is dim w·PW + i (zero where padding).
-    Kept per (D, bits, dtype, device): every appended key asks for it, and building the permutation costs ~90 µs."""
-    ck = (D, bits, dtype, device)
-    if ck not in _PERMUTED:
-        _PERMUTED[ck] = _build_permuted_signs(D, bits, dtype, device)
-    return _PERMUTED[ck]
-
-
-def _build_permuted_signs(D: int, bits: int, dtype: torch.dtype, device) -> torch.Tensor:
+    The permutation is built only on a cache miss: every appended key asks for the matrix, and building it costs
+    ~90 µs."""
     PW, PW2, W, BLOCK_WC, N_WC = _layout(D, bits)
-    c = torch.arange(N_WC * BLOCK_WC * PW2)
-    w, i = c // PW2, c % PW2
-    dim = w * PW + i
-    perm = torch.where((i < PW) & (dim < D), dim, -1)
-    return hadamard_signs(D, dtype, device, rows=max(16, triton.next_power_of_2(D)), cols=len(perm), perm=perm,
+    cols = N_WC * BLOCK_WC * PW2
+
+    def perm() -> torch.Tensor:
+        c = torch.arange(cols)
+        w, i = c // PW2, c % PW2
+        dim = w * PW + i
+        return torch.where((i < PW) & (dim < D), dim, -1)
+
+    return hadamard_signs(D, dtype, device, rows=max(16, triton.next_power_of_2(D)), cols=cols, perm=perm,
                           key=("adamas", bits))
 
 

@@ -13,6 +13,8 @@ Reference: `kernels/reference.py::hadamard_reference` (same argument, plain torc
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -23,14 +25,16 @@ _SIGNS: dict = {}
 
 
 def hadamard_signs(d: int, dtype: torch.dtype, device, rows: int | None = None, cols: int | None = None,
-                   perm: torch.Tensor | None = None, key=None) -> torch.Tensor:
-    """The ±1 matrix sqrt(d)·H_d in `dtype`, zero-padded to [rows, cols] (cached). With `perm` (a column index per
-    output column, -1 for a zero column) its columns are gathered first: the fused quantize kernel's layout."""
+                   perm: Callable[[], torch.Tensor] | None = None, key=None) -> torch.Tensor:
+    """The ±1 matrix sqrt(d)·H_d in `dtype`, zero-padded to [rows, cols] (cached). With `perm` (called on a cache
+    miss only, `key` naming it: a column index per output column, -1 for a zero column) its columns are gathered
+    first: the fused quantize kernel's layout."""
     ck = (d, dtype, str(device), rows, cols, key)
     S = _SIGNS.get(ck)
     if S is None:
         H = torch.sign(hadamard_matrix(d, torch.float64))  # entries are exactly ±1/sqrt(d)
         if perm is not None:
+            perm = perm()
             H = torch.where(perm >= 0, H[:, perm.clamp(min=0)], 0.0)
         rows, cols = rows or H.shape[0], cols or H.shape[1]
         S = torch.zeros(rows, cols, dtype=dtype, device=device)

@@ -150,7 +150,8 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim: our select kernels on the GPU (`kernels/topk.py`, exact,
-    ties to the lower index, no sort; the radix path unless $SPARSEKV_TOPK says otherwise), torch.topk elsewhere."""
+    ties to the lower index, no sort; the path by row length unless $SPARSEKV_TOPK says: `default_path`), torch.topk
+    elsewhere."""
     from .sparse_attention import use_kernels
 
     if use_kernels(scores.device):

@@ -190,14 +190,14 @@ def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> S
     flag = os.environ.get("SPARSEKV_GRAPHS", "")
     if mode not in (None, "eager", "split", "graph"):
         raise SparseKVError(f"unknown decode-step mode {mode!r}: use eager, split or graph")
+    why = split_supported(lm)
     if mode is None:
-        if flag == "0" or lm.device.type != "cuda":
-            mode = "eager" if flag != "1" else "graph"
+        if flag == "1":
+            mode = "graph"
         else:
-            mode = "graph" if (flag == "1" or split_supported(lm) is None) else "eager"
+            mode = "graph" if flag != "0" and lm.device.type == "cuda" and why is None else "eager"
     if mode == "eager":
         return _eager_step(lm, cache)
-    why = split_supported(lm)
     if why is not None:
         raise SparseKVError(f"the split decode step cannot run this model: {why}")
     if mode == "split":
