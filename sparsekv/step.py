@@ -204,7 +204,8 @@ def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> S
         split = SplitForward(lm)
         return lambda token, pos: split.step(cache, token, pos)
     if lm.device.type != "cuda":
-        raise SparseKVError("CUDA graphs need the model on a CUDA device")
+        raise SparseKVError("CUDA graphs (asked for by SPARSEKV_GRAPHS=1 or mode='graph') need the model on a CUDA "
+                            "device")
     graphed = lm.graphs
     if graphed is None or graphed.key != weights_key(lm):
         graphed = lm.graphs = GraphedForward(SplitForward(lm))
