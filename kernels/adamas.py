@@ -9,6 +9,8 @@ quantize_pack(_into)  Hadamard transform + bucketize + pack, fused: one program 
 code_distance         Σ_dims |qc - kc| (or (qc - kc)²) of each query's codes against the first `length` keys' codes.
 code_scores           the same, negated (higher = closer) in fp16/fp32 for the shared top-k, optionally pooled over
                       the GQA group, so the selection needs no separate pooling pass.
+code_topk             the k nearest keys' indices: the distances as int16, then the counting select
+                      (`count_select.py`): integer distances tie massively, which counting handles exactly and fast.
 
 Code layout (kernels/reference.py is the spec): code i of a word's group at bits [bits·i, bits·(i+1)); 16 codes per
 int16 for bits=1, 8 for bits=2, 5 for bits=3 (bit 15 unused); code = number of thresholds strictly below the value.
@@ -18,16 +20,17 @@ int32 when the row has an even word count). For codes a, b in {0..3}, |a - b| = 
 code), and the three thermometer bits of every 2-bit field are (hi | lo), hi, (hi & lo). So a lane's 16 distances are
 three xors and one add (each 2-bit field holds a sum <= 3, no carry), then a SWAR horizontal sum (2 -> 4 -> 8 bits,
 bytes summed over the row, then 8 -> 32 bits once per key): ~10 integer ops per 16 codes and query head, instead of
-~5 per code. The key's (hi, lo) are computed once and reused by the whole query group, whose query heads loop over
+~5 per code. The key's three planes are computed once and reused by the whole query group, whose query heads loop over
 the key tile loaded once (GQA: each KV head's words are read once). Other (bits, metric) unpack the key tile once
 into codes [keys, words, PW2] and take |d| or d² code by code (the ablations: correct, not tuned), except 1-bit codes:
 their L1 (= L2) distance is the Hamming distance, xor and a SWAR popcount of each lane into per-byte counts (<= 8),
 summed like the 2-bit path (the SimHash codes of the `lsh` method, 128 bits = 4 lanes per key).
 
-H100 budget at 131072 keys x 8 KV heads x 16 words (D 128): 33.5 MB read, ~10 µs at 3.35 TB/s. With 4 query heads per
-KV head the fast path is ~0.3 G integer instructions (~20 µs at Hopper's 64 INT32 lanes/SM/clock), so it is
-compute-bound near the bandwidth floor; per-query-head int32 output adds 16.8 MB of writes, which is why
-code_scores(pool=...) writes one fp16 row per KV head (4.2 MB) instead.
+H100 budget at 131072 keys x 8 KV heads x 16 words (D 128): 33.5 MB read, ~11 µs at 3 TB/s. With 4 query heads per
+KV head the fast path is ~0.5 G integer instructions (~470 per key: 12 per lane and head, 8 lanes, 4 heads, plus the
+key's planes and sums), ~34 µs at Hopper's 64 INT32 lanes/SM/clock: the kernel is compute-bound, and measures 42 µs
+(results/count-select-h100.json). Per-query-head int32 output would add 16.8 MB of writes, which is why
+code_scores(pool=...) writes one row per KV head instead.
 
 References: kernels/reference.py::adamas_bucketize_reference, adamas_pack_reference, adamas_distance_reference.
 """
@@ -38,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import count_select
 from .hadamard import _prec, hadamard_signs
 from .reference import _per_word, hadamard_matrix
 
@@ -192,13 +196,14 @@ def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, tran
 
 
 @triton.jit
-def _l1_2bit_lanes(k_hi, k_lo, q):
-    """Per-lane sum of |a - b| over the 16 (or 8) 2-bit fields of key lanes (given as hi/lo bit planes at even
-    positions) and one query lane q [BW]: [BL, BW] int32 with one partial sum (<= 12) per byte."""
+def _l1_2bit_lanes(k_t0, k_t1, k_t2, q):
+    """Per-lane sum of |a - b| over the 16 (or 8) 2-bit fields of key lanes, given as their thermometer bit planes
+    [>0] = hi | lo, [>1] = hi, [>2] = hi & lo at even positions (made once per key tile, shared by the query
+    heads), and one query lane q [BW]: [BL, BW] int32 with one partial sum (<= 12) per byte."""
     q_lo = q & 0x55555555
     q_hi = (q >> 1) & 0x55555555
-    s = (((k_hi | k_lo) ^ (q_hi | q_lo)[None, :]) + (k_hi ^ q_hi[None, :])
-         + ((k_hi & k_lo) ^ (q_hi & q_lo)[None, :]))  # thermometer bits [>0], [>1], [>2]: field sum <= 3
+    s = ((k_t0 ^ (q_hi | q_lo)[None, :]) + (k_t1 ^ q_hi[None, :])
+         + (k_t2 ^ (q_hi & q_lo)[None, :]))  # field sum <= 3
     s = (s & 0x33333333) + ((s >> 2) & 0x33333333)  # 4-bit fields <= 6 (the >> may smear the sign into bits 30-31)
     return (s + (s >> 4)) & 0x0F0F0F0F  # bytes <= 12
 
@@ -261,6 +266,8 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
             k = k & 0xFFFF  # int16 words sign-extend: keep their 16 bits only
         k_lo = k & 0x55555555
         k_hi = (k >> 1) & 0x55555555
+        k_t0 = k_hi | k_lo
+        k_t2 = k_hi & k_lo
     elif HAMMING:
         k = k.to(tl.int32)
         if not LANES32:
@@ -279,7 +286,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
             q = q.to(tl.int32)
             if not LANES32:
                 q = q & 0xFFFF
-            part = _l1_2bit_lanes(k_hi, k_lo, q)
+            part = _l1_2bit_lanes(k_t0, k_hi, k_t2, q)
             if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
                 dist = _bytes_to_int(tl.sum(part, axis=1))
             else:
@@ -322,6 +329,7 @@ def _as_lanes(words: torch.Tensor) -> torch.Tensor | None:
 
 
 def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps):
+    """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -397,9 +405,41 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
     and lets the radix select finish in fewer digit passes; ties keep the top-k's lower-index order.
     """
     if dtype is None:
-        Hkv = k_words.shape[1]
-        g = q_words.shape[1] // max(Hkv, 1) if pool == "sum" else 1
-        top = (1 << bits) - 1
-        worst = d * (top if metric == "l1" else top * top) * g
-        dtype = torch.float16 if worst <= 2048 else torch.float32
+        dtype = torch.float16 if _max_distance(d, bits, metric, _group(q_words, k_words, pool)) <= 2048 \
+            else torch.float32
     return _launch_distance(q_words, k_words, length, d, bits, metric, pool, dtype, True, block_l, num_warps)
+
+
+def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
+              metric: str = "l1", *, pool: str | None = None, offset: int = 0, block_l: int | None = None,
+              num_warps: int = 4, _chunk: int | None = None, _tile: int | None = None) -> torch.Tensor:
+    """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
+    in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`:
+    three short passes, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending
+    index order; the same keys as topk(code_scores(...), k), without the float top-k's tie fallback.
+    H100, 8 rows (llama3-8b, pooled), k 2047, CUDA-graph replay (results/count-select-h100.json): 60.6 µs at 131072
+    keys (distance kernel 42 + select 16.5) against 93.5 for code_scores + topk; 19.9 against 46.9 at 32768.
+    Rows whose distances can reach 2^14 (e.g. 3-bit L2 pooled over 8 heads) raise ValueError: use code_scores +
+    topk (`code_topk_supported` tells)."""
+    vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool))
+    count_select.value_bits(vmax)  # ValueError before any work
+    if not 0 <= k <= length:
+        raise ValueError(f"k={k} must be between 0 and the {length} keys")
+    dist = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l, num_warps)
+    return count_select.smallest_k(dist, k, vmax, offset=offset, _chunk=_chunk, _tile=_tile)
+
+
+def code_topk_supported(d: int, bits: int, metric: str, group: int) -> bool:
+    """Whether code_topk handles rows pooled over `group` query heads (their largest distance fits its counting)."""
+    return _max_distance(d, bits, metric, group).bit_length() <= count_select.MAX_BITS
+
+
+def _group(q_words: torch.Tensor, k_words: torch.Tensor, pool: str | None) -> int:
+    """Query heads summed into one row: the GQA group with pool="sum", else 1."""
+    return q_words.shape[1] // max(k_words.shape[1], 1) if pool == "sum" else 1
+
+
+def _max_distance(d: int, bits: int, metric: str, group: int) -> int:
+    """The largest distance a row can hold: every code at the far end, summed over `group` query heads."""
+    top = (1 << bits) - 1
+    return d * (top if metric == "l1" else top * top) * group

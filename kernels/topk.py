@@ -763,7 +763,8 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     $SPARSEKV_TOPK). On CUDA the default is "radix" for rows longer than _CAP_MAX: the fused kernel is exact and 3x
     faster than torch.topk on continuous scores, but Adamas' and LSH's score rows (pooled integer code distances)
     are full of ties, and there it falls back to its slow paths (H100, `sparsekv bench` at 131072: adamas step
-    306 µs with it vs 117 µs with radix, lsh 319 vs 105). Rows of at most _CAP_MAX scores take the fused kernel
+    306 µs with it vs 117 µs with radix, lsh 319 vs 105; those two methods now select with the counting select,
+    `count_select.py`, instead). Rows of at most _CAP_MAX scores take the fused kernel
     with every score a candidate (no sampled bound, so ties cannot send it to a fallback): one launch instead of
     six, which is what an eager decode step pays for (~40 µs of Python per Triton launch on the H100 machine).
     Elsewhere (the interpreter) it is "fused", with the sampled bound as on long rows, so the tests reach it.

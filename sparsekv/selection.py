@@ -148,6 +148,15 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
     return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink, padded=False)
 
 
+def picked_selection(pick, split: BudgetSplit, length: int, candidates: int) -> Selection:
+    """The selection of `pick(k)`: int64 token positions [B, H, k] of the k = min(split.k, candidates) chosen keys
+    (a fused score + select kernel, e.g. kernels/adamas.py::code_topk, in place of scores + `topk`)."""
+    k = min(split.k, candidates)
+    if k <= 0:
+        return Selection(length, split.sink, split.window)
+    return Selection(length, split.sink, split.window, indices=pick(k), padded=False)
+
+
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim: our select kernels on the GPU (`kernels/topk.py`, exact,
     ties to the lower index, no sort; the path by row length unless $SPARSEKV_TOPK says: `default_path`), torch.topk

@@ -39,7 +39,7 @@ from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_dista
                                         adamas_pack_reference)
 
 from ..errors import SparseKVError
-from ..selection import Selection, pool_scores, topk_selection
+from ..selection import Selection, picked_selection, pool_scores, topk_selection
 from ..sparse_attention import use_kernels
 from .base import CacheShape, LayerState, Method, register
 
@@ -92,23 +92,41 @@ class LSH(Method):
         split = self.split(state.length)
         if split.dense:
             return Selection(state.length, dense=True)
-        scores = self.hash_scores(state, q, split.sink, state.length - split.window)
-        return topk_selection(scores, split, state.length)
+        lo, hi = split.sink, state.length - split.window
+        pool = "sum" if self.pooling == "group" else None
+        group = q.shape[1] // state.codes.shape[1] if pool else 1
+        if use_kernels(q.device):
+            from sparsekv.kernels.adamas import code_topk, code_topk_supported
 
-    def hash_scores(self, state: LSHState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group"."""
+            if code_topk_supported(self.nbits, 1, "l1", group):  # Hamming distances and their top-k, fused
+                q_words = self.query_words(state, q)
+                return picked_selection(
+                    lambda k: code_topk(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, k, bits=1,
+                                        metric="l1", pool=pool, offset=lo), split, state.length, hi - lo)
+        return topk_selection(self.hash_scores(state, q, lo, hi), split, state.length)
+
+    def query_words(self, state: LSHState, q: torch.Tensor) -> torch.Tensor:
+        """The queries' packed sign bits [B, Hq, 1, W]: H(q) = sign(q R) with their KV head's hyperplanes."""
         B, Hq, _, D = q.shape
         Hkv = state.codes.shape[1]
         x = torch.einsum("bhgd,hdm->bhgm", q.float().view(B, Hkv, Hq // Hkv, D), state.proj)
         x = x.reshape(B, Hq, 1, self.nbits)
         if use_kernels(q.device):
-            from sparsekv.kernels.adamas import code_scores, quantize_pack
+            from sparsekv.kernels.adamas import quantize_pack
 
-            q_words = quantize_pack(x, state.sign, bits=1, transform=False)
+            return quantize_pack(x, state.sign, bits=1, transform=False)
+        return pack_signs(x)
+
+    def hash_scores(self, state: LSHState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group"."""
+        q_words = self.query_words(state, q)
+        if use_kernels(q.device):
+            from sparsekv.kernels.adamas import code_scores
+
             return code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
                                pool="sum" if self.pooling == "group" else None)  # pooled in-kernel
-        dist = adamas_distance_reference(pack_signs(x)[:, :, 0], state.codes[:, :, lo:hi], self.nbits, bits=1)
-        return pool_scores(-dist.float(), Hkv, self.pooling)
+        dist = adamas_distance_reference(q_words[:, :, 0], state.codes[:, :, lo:hi], self.nbits, bits=1)
+        return pool_scores(-dist.float(), state.codes.shape[1], self.pooling)
 
     def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
         """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""

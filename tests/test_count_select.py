@@ -1,0 +1,162 @@
+"""The counting select (k smallest small integers) and the fused code-distance top-k against torch references.
+
+Small shapes under TRITON_INTERPRET=1 on the CPU, with chunks small enough that every pass crosses chunk and tile
+boundaries; the real shapes (8 x 131072, k 2048; heavy ties) on the GPU when one is present.
+"""
+
+import pytest
+import torch
+
+from sparsekv.kernels.adamas import code_distance, code_topk, code_topk_supported
+from sparsekv.kernels.count_select import MAX_BITS, smallest_k, value_bits
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def smallest_reference(values: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+    """The k smallest per row, ties to the lower index, in ascending index order (int64 keys make ties unique)."""
+    n = values.shape[-1]
+    key = values.long().cpu() * n + torch.arange(n)
+    return torch.sort(torch.topk(-key, k, dim=-1).indices, dim=-1).values + offset
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
+@pytest.mark.parametrize("rows,n,k,vmax", [
+    (3, 1000, 37, 2047),  # coarse + fine pass
+    (2, 777, 777, 300),  # k = n
+    (4, 513, 1, 63),  # values fit the coarse bins: no fine pass
+    (2, 300, 100, 5),  # six distinct values: ties everywhere
+    (1, 4096, 500, (1 << MAX_BITS) - 1),  # the widest values
+    (2, 129, 64, 0),  # a constant row
+])
+def test_smallest_k_matches_reference(dtype, rows, n, k, vmax):
+    g = _gen(rows * n + k)
+    if vmax > 100:  # bell-shaped, like code distances: the k-th smallest sits in a sparse tail
+        v = (torch.randn(rows, n, generator=g) * vmax / 8 + vmax / 2).clamp(0, vmax).int()
+    else:
+        v = torch.randint(0, vmax + 1, (rows, n), generator=g, dtype=torch.int32)
+    out = smallest_k(v.to(dtype).to(DEV), k, vmax, offset=5)
+    assert out.dtype == torch.int64 and out.shape == (rows, k)
+    assert torch.equal(out.cpu(), smallest_reference(v, k, 5))
+
+
+def test_smallest_k_repeats_and_shapes():
+    """Scratch is left clean (same answer every call); leading dims; k = 0; chunk sizes from 1 program to many."""
+    v = torch.randint(0, 40, (2, 3, 1000), generator=_gen(2), dtype=torch.int32).to(DEV)
+    want = smallest_reference(v.view(6, -1), 200).view(2, 3, 200)
+    for chunk in (None, 64, 1024):  # 1024 >= n: one chunk per row, the one-launch row kernel
+        for _ in range(2):
+            assert torch.equal(smallest_k(v, 200, 63, _chunk=chunk).cpu(), want)
+    assert smallest_k(v, 0, 63).shape == (2, 3, 0)
+    w = (v * 37) % 2048  # same shape and scratch, other value range: passes 1 and 3 leave the row histograms clean
+    for _ in range(2):
+        assert torch.equal(smallest_k(w, 150, 2047).cpu(), smallest_reference(w.view(6, -1), 150).view(2, 3, 150))
+        assert torch.equal(smallest_k(v, 200, 63).cpu(), want)
+
+
+def test_smallest_k_clamps_out_of_range_values():
+    v = torch.tensor([[70, -3, 5, 64, 63, 0, 1000]], dtype=torch.int32)
+    # the range is [0, 63]: -3 counts as 0 (ties with the 0 after it, lower index first), 70/64/1000 as 63
+    assert smallest_k(v.to(DEV), 3, 63).cpu().tolist() == [[1, 2, 5]]
+    assert smallest_k(v.to(DEV), 5, 63).cpu().tolist() == [[0, 1, 2, 3, 5]]
+
+
+def test_smallest_k_rejects_bad_input():
+    v = torch.zeros(2, 10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int16 or int32"):
+        smallest_k(v.float(), 3, 10)
+    with pytest.raises(ValueError, match="between 0 and the row length"):
+        smallest_k(v, 11, 10)
+    with pytest.raises(ValueError, match="below 2\\^14"):
+        smallest_k(v, 3, 1 << MAX_BITS)
+    assert value_bits(0) == 1 and value_bits(2047) == 11
+
+
+def _codes(B, Hq, Hkv, L, D, bits, seed):
+    W = -(-D // {1: 16, 2: 8, 3: 5}[bits])
+    g = _gen(seed)
+    qw = torch.randint(-32768, 32767, (B, Hq, W), generator=g, dtype=torch.int32).to(torch.int16)
+    kw = torch.randint(-32768, 32767, (B, Hkv, L, W), generator=g, dtype=torch.int32).to(torch.int16)
+    if bits == 3:  # 5 codes per word: bit 15 unused
+        qw, kw = qw & 0x7FFF, kw & 0x7FFF
+    return qw.to(DEV), kw.to(DEV)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,bits,metric,pool,L,k,block_l,chunk", [
+    (1, 8, 2, 64, 2, "l1", "sum", 700, 50, 32, 64),  # the Adamas path: 2-bit L1 lanes, pooled over the group
+    (2, 4, 2, 64, 2, "l1", None, 300, 77, 16, None),  # one selection row per query head
+    (1, 4, 1, 128, 1, "l1", "sum", 500, 100, 64, 128),  # LSH: 1-bit Hamming
+    (1, 4, 2, 32, 3, "l2", "min", 333, 33, 16, 64),  # the generic (bits, metric) path, min pooling
+    (1, 2, 2, 64, 2, "l1", "sum", 200, 200, 16, 256),  # k = every key; one chunk per row (the row kernel)
+])
+def test_code_topk_matches_distances(B, Hq, Hkv, D, bits, metric, pool, L, k, block_l, chunk):
+    """code_topk == the k smallest of code_distance (ties to the lower index), on a sliced cache with an offset."""
+    qw, kw = _codes(B, Hq, Hkv, L + 10, D, bits, B * Hq * L + k)
+    off = 3
+    got = code_topk(qw, kw[:, :, off:], L, D, k, bits, metric, pool=pool, offset=off, block_l=block_l,
+                    _chunk=chunk)
+    dist = code_distance(qw, kw[:, :, off:], L, D, bits, metric, pool=pool)
+    assert got.shape == (B, dist.shape[1], k)
+    assert torch.equal(got.cpu(), smallest_reference(dist, k, off))
+
+
+def test_code_topk_ties_and_limits():
+    """Duplicated keys (every distance tied in runs) keep the lower index; oversized value ranges are refused."""
+    qw, kw = _codes(1, 4, 1, 40, 64, 2, 7)
+    kw = kw.repeat_interleave(8, dim=2)  # 320 keys, each value 8 times in a row
+    dist = code_distance(qw, kw, 320, 64, pool="sum")
+    for k in (1, 5, 100):
+        assert torch.equal(code_topk(qw, kw, 320, 64, k, pool="sum", block_l=16, _chunk=64).cpu(),
+                           smallest_reference(dist, k))
+    assert code_topk_supported(128, 2, "l1", 4) and not code_topk_supported(256, 3, "l2", 8)
+    q3, k3 = _codes(1, 4, 1, 40, 128, 3, 8)
+    with pytest.raises(ValueError, match="below 2\\^14"):  # 3-bit L2 over 128 dims x 4 heads reaches 25088
+        code_topk(q3, k3, 40, 128, 5, bits=3, metric="l2", pool="sum")
+    with pytest.raises(ValueError, match="between 0 and the 320 keys"):
+        code_topk(qw, kw, 320, 64, 321, pool="sum")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_long_rows_with_ties():
+    """The bench's shape: 8 rows of 131072 distances (a few hundred distinct values), k 2048; short rows; and
+    code_topk on random codes at 131072, pooled over groups of 4."""
+    g = _gen(3)
+    v = (torch.randn(8, 131072, generator=g) * 60 + 600).clamp(0, 1535).int()
+    for k in (1, 2048, 8192, 131072):
+        assert torch.equal(smallest_k(v.to(torch.int16).cuda(), k, 1535).cpu(), smallest_reference(v, k))
+    for rows, n in ((8, 16384), (32, 8191)):  # short rows: the one-launch row kernel
+        v = torch.randint(0, 300, (rows, n), generator=g, dtype=torch.int32)
+        for k in (1, 127, n):
+            assert torch.equal(smallest_k(v.cuda(), k, 1535).cpu(), smallest_reference(v, k))
+    qw, kw = _codes(1, 32, 8, 131072, 128, 2, 4)
+    dist = code_distance(qw, kw, 131072, 128, pool="sum")
+    for _ in range(3):
+        assert torch.equal(code_topk(qw, kw, 131072, 128, 2048, pool="sum").cpu(), smallest_reference(dist, 2048))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_graph_capture_short_rows():
+    """Captured in a CUDA graph, short rows take the three parallel passes (eagerly: the row kernel); replays of
+    the graph give the same exact answer, with the scratch left clean between them."""
+    v = torch.randint(0, 500, (8, 8191), generator=_gen(5), dtype=torch.int32)
+    want = smallest_reference(v, 127)
+    x = v.to(torch.int16).cuda()
+    assert torch.equal(smallest_k(x, 127, 1535).cpu(), want)  # eager: row kernel (and compiles)
+    out = torch.empty(8, 127, dtype=torch.int64, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        smallest_k(x, 127, 1535, out=out, _chunk=256)  # the chunks capture picks (2 per SM): compile them first
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        smallest_k(x, 127, 1535, out=out)
+    for _ in range(3):
+        out.zero_()
+        g.replay()
+        assert torch.equal(out.cpu(), want)
