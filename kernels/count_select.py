@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk import _scatter_offsets
+from .topk import _scatter_offsets, rows_and_out
 
 COARSE_BITS = 6
 NB1 = 1 << COARSE_BITS  # coarse bins
@@ -254,19 +254,10 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     no host sync, so it can be captured in a CUDA graph. CUDA or TRITON_INTERPRET=1."""
     if values.dtype not in (torch.int16, torch.int32):
         raise ValueError(f"smallest_k: values must be int16 or int32, got {values.dtype}")
-    n = values.shape[-1]
-    if not 0 <= k <= n:
-        raise ValueError(f"smallest_k: k={k} must be between 0 and the row length {n}")
     bits = value_bits(max_value)
-    lead = values.shape[:-1]
-    x = values.reshape(-1, n)
-    if n > 1 and x.stride(-1) != 1:
-        x = x.contiguous()
+    x, out = rows_and_out(values, k, out, "smallest_k")
+    n = x.shape[-1]
     rows = x.shape[0]
-    if out is None:
-        out = torch.empty(*lead, k, dtype=torch.int64, device=values.device)
-    elif out.shape != (*lead, k) or out.dtype != torch.int64 or not out.is_contiguous():
-        raise ValueError(f"smallest_k: out must be contiguous int64 {(*lead, k)}")
     if rows == 0 or k == 0:
         return out
     o = out.view(rows, k)

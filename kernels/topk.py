@@ -732,6 +732,25 @@ def _fused_scratch(device: torch.device, rows: int, p: int, chunk: int) -> dict[
     return _SCRATCH[key]
 
 
+def rows_and_out(scores: torch.Tensor, k: int, out: torch.Tensor | None, name: str):
+    """A selection's argument checks: scores [..., n] as rows [R, n] with unit stride, and the int64 output
+    [..., k] (made, or `out` checked: contiguous, on the scores' device)."""
+    n = scores.shape[-1]
+    if not 0 <= k <= n:
+        raise ValueError(f"{name}: k={k} must be between 0 and the row length {n}")
+    lead = scores.shape[:-1]
+    x = scores.reshape(-1, n)
+    if n > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(*lead, k, dtype=torch.int64, device=scores.device)
+    elif out.shape != (*lead, k) or out.dtype != torch.int64 or out.device != scores.device:
+        raise ValueError(f"{name}: out must be int64 {(*lead, k)} on {scores.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous")
+    return x, out
+
+
 def default_path(cuda: bool, n: int | None = None) -> str:
     """The path `topk` takes for rows of n scores when not told: $SPARSEKV_TOPK, else on CUDA "fused" for rows of at
     most _CAP_MAX scores and "radix" for longer ones (see topk's docstring for why), and "fused" in the
@@ -773,20 +792,9 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         raise ValueError(f"topk: scores must be float32, float16 or bfloat16, got {scores.dtype}")
     if scores.dim() < 1:
         raise ValueError("topk: scores needs at least one dimension")
-    n = scores.shape[-1]
-    if not 0 <= k <= n:
-        raise ValueError(f"topk: k={k} must be between 0 and the row length {n}")
-    lead = scores.shape[:-1]
-    x = scores.reshape(-1, n)
-    if n > 1 and x.stride(-1) != 1:
-        x = x.contiguous()
+    x, out = rows_and_out(scores, k, out, "topk")
+    n = x.shape[-1]
     rows = x.shape[0]
-    if out is None:
-        out = torch.empty(*lead, k, dtype=torch.int64, device=scores.device)
-    elif out.shape != (*lead, k) or out.dtype != torch.int64 or out.device != scores.device:
-        raise ValueError(f"topk: out must be int64 {(*lead, k)} on {scores.device}")
-    if not out.is_contiguous():
-        raise ValueError("topk: out must be contiguous")
     if rows == 0 or k == 0:
         return out
     o = out.view(rows, k)
