@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import num_sms
 from .topk import _scatter_offsets, rows_and_out
 
 COARSE_BITS = 6
@@ -190,7 +191,6 @@ def _row_kernel(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, strid
 # host side
 
 _SCRATCH: dict[tuple, dict[str, torch.Tensor]] = {}
-_N_SM: dict[torch.device, int] = {}
 
 
 def value_bits(max_value: int) -> int:
@@ -210,9 +210,7 @@ def plan(n: int, rows: int, device: torch.device, chunk: int | None = None, tile
     interpreter chunks are small, so that its tests cross chunk and tile boundaries."""
     if chunk is None:
         if device.type == "cuda":
-            if device not in _N_SM:
-                _N_SM[device] = torch.cuda.get_device_properties(device).multi_processor_count
-            per_row = max(1, 2 * _N_SM[device] // max(rows, 1))
+            per_row = max(1, 2 * num_sms(device) // max(rows, 1))
             one = n <= _ROW_MAX and not torch.cuda.is_current_stream_capturing()
             chunk = n if one else max(256, triton.cdiv(n, per_row))
         else:

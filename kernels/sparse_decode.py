@@ -19,6 +19,7 @@ import triton.language as tl
 
 from sparsekv.selection import Selection
 
+from .device import num_sms
 from .reference import check_selection
 
 MODE_DENSE, MODE_INDICES = 0, 1
@@ -113,16 +114,10 @@ def _merge_kernel(M_in, L_in, ACC_in, OUT, stride_ob, stride_oh, Hq, n_chunks,
     tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: few chunks keep it fast
-
-
 def _plan(n_slots: int, programs_per_chunk: int, device: torch.device, block_n: int,
           waves: int = 2) -> tuple[int, int]:
     """(chunk, n_chunks): enough chunks that about `waves` programs run per SM, each at least one tile long."""
-    sms = _num_sms(device)
+    sms = num_sms(device) if device.type == "cuda" else 4  # interpreter: few chunks keep it fast
     want = max(1, (waves * sms + programs_per_chunk - 1) // programs_per_chunk)
     chunk = max(block_n, triton.cdiv(triton.cdiv(max(n_slots, 1), want), block_n) * block_n)
     return chunk, triton.cdiv(max(n_slots, 1), chunk)

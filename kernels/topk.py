@@ -61,6 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import num_sms
+
 _I32_MIN = -2147483648
 _I32_MAX = 2147483647
 _CAP_MAX = 16384  # candidates held in registers by the selecting program
@@ -629,7 +631,6 @@ def _write_kernel(STATE, CNT2, CNT, CK, CI, OUT, S, stride_o,
 
 
 _SCRATCH: dict[tuple, dict[str, torch.Tensor]] = {}
-_N_SM: dict[torch.device, int] = {}
 
 
 def _radix_scratch(device: torch.device, rows: int, blocks: int, block: int, key_bits: int) -> dict[str, torch.Tensor]:
@@ -804,9 +805,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         raise ValueError(f"topk: path must be 'radix' or 'fused', got {path!r}")
     if path == "fused":
         if scores.is_cuda:
-            if scores.device not in _N_SM:
-                _N_SM[scores.device] = torch.cuda.get_device_properties(scores.device).multi_processor_count
-            n_sm = _N_SM[scores.device]
+            n_sm = num_sms(scores.device)
             whole_row = _cap is None and _sample is None and n <= _CAP_MAX  # every score a candidate
             plan = _plan(n, k, rows, n_sm, _chunk, _tile or 4096, n if whole_row else _cap, _sample, _z)
         else:  # the interpreter: small chunks and tiles, so that the loops and the gather run

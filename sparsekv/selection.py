@@ -148,13 +148,24 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
     return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink, padded=False)
 
 
-def picked_selection(pick, split: BudgetSplit, length: int, candidates: int) -> Selection:
-    """The selection of `pick(k)`: int64 token positions [B, H, k] of the k = min(split.k, candidates) chosen keys
-    (a fused score + select kernel, e.g. kernels/adamas.py::code_topk, in place of scores + `topk`)."""
-    k = min(split.k, candidates)
+def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: str,
+                   split: BudgetSplit, length: int) -> Selection | None:
+    """The kernels' path for methods that rank keys by code distance (Adamas, LSH): the k = split.k keys of
+    [sink, length - window) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
+    summed over each GQA group with pooling "group", by `kernels/adamas.py::code_topk` (int16 distances, then the
+    counting select). None when those distances are too wide for it: rank `code_scores` with `topk` then."""
+    from sparsekv.kernels.adamas import code_topk, code_topk_supported
+
+    pool = "sum" if pooling == "group" else None
+    group = q_words.shape[1] // codes.shape[1] if pool else 1
+    if not code_topk_supported(d, bits, metric, group):
+        return None
+    lo, hi = split.sink, length - split.window
+    k = min(split.k, hi - lo)
     if k <= 0:
         return Selection(length, split.sink, split.window)
-    return Selection(length, split.sink, split.window, indices=pick(k), padded=False)
+    idx = code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits=bits, metric=metric, pool=pool, offset=lo)
+    return Selection(length, split.sink, split.window, indices=idx, padded=False)
 
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_dista
 
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
-from ..selection import Selection, picked_selection, pool_scores, topk_selection
+from ..selection import Selection, code_selection, pool_scores, topk_selection
 from ..sparse_attention import use_kernels
 from .base import CacheShape, LayerState, Method, register
 
@@ -131,17 +131,14 @@ class Adamas(Method):
         D = q.shape[-1]
         lo, hi = split.sink, state.length - split.window
         if use_kernels(q.device):
-            from sparsekv.kernels.adamas import code_scores, code_topk, code_topk_supported, quantize_pack
+            from sparsekv.kernels.adamas import code_scores, quantize_pack
 
             q_words = quantize_pack(q, state.thresholds, bits=self.bits, transform=self.hadamard)
-            pool = "sum" if self.pooling == "group" else None
-            group = q.shape[1] // state.codes.shape[1] if pool else 1
-            if code_topk_supported(D, self.bits, self.distance, group):  # distances and their top-k, fused
-                return picked_selection(
-                    lambda k: code_topk(q_words, state.codes[:, :, lo:], hi - lo, D, k, bits=self.bits,
-                                        metric=self.distance, pool=pool, offset=lo), split, state.length, hi - lo)
+            sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split, state.length)
+            if sel is not None:  # distances and their top-k by counting
+                return sel
             scores = code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
-                                 pool=pool)  # -distance, pooled in-kernel
+                                 pool="sum" if self.pooling == "group" else None)  # -distance, pooled in-kernel
         else:
             q_words = self.encode(q, state.thresholds)[:, :, 0]
             dist = adamas_distance_reference(q_words, state.codes[:, :, lo:hi], D, bits=self.bits,

@@ -39,7 +39,7 @@ from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_dista
                                         adamas_pack_reference)
 
 from ..errors import SparseKVError
-from ..selection import Selection, picked_selection, pool_scores, topk_selection
+from ..selection import Selection, code_selection, pool_scores, topk_selection
 from ..sparse_attention import use_kernels
 from .base import CacheShape, LayerState, Method, register
 
@@ -92,18 +92,13 @@ class LSH(Method):
         split = self.split(state.length)
         if split.dense:
             return Selection(state.length, dense=True)
-        lo, hi = split.sink, state.length - split.window
-        pool = "sum" if self.pooling == "group" else None
-        group = q.shape[1] // state.codes.shape[1] if pool else 1
+        q_words = self.query_words(state, q)
         if use_kernels(q.device):
-            from sparsekv.kernels.adamas import code_topk, code_topk_supported
-
-            if code_topk_supported(self.nbits, 1, "l1", group):  # Hamming distances and their top-k, fused
-                q_words = self.query_words(state, q)
-                return picked_selection(
-                    lambda k: code_topk(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, k, bits=1,
-                                        metric="l1", pool=pool, offset=lo), split, state.length, hi - lo)
-        return topk_selection(self.hash_scores(state, q, lo, hi), split, state.length)
+            sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split, state.length)
+            if sel is not None:  # Hamming distances and their top-k by counting
+                return sel
+        scores = self.hash_scores(state, q, split.sink, state.length - split.window, q_words=q_words)
+        return topk_selection(scores, split, state.length)
 
     def query_words(self, state: LSHState, q: torch.Tensor) -> torch.Tensor:
         """The queries' packed sign bits [B, Hq, 1, W]: H(q) = sign(q R) with their KV head's hyperplanes."""
@@ -117,9 +112,12 @@ class LSH(Method):
             return quantize_pack(x, state.sign, bits=1, transform=False)
         return pack_signs(x)
 
-    def hash_scores(self, state: LSHState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group"."""
-        q_words = self.query_words(state, q)
+    def hash_scores(self, state: LSHState, q: torch.Tensor, lo: int, hi: int,
+                    q_words: torch.Tensor | None = None) -> torch.Tensor:
+        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group".
+        q_words: the queries' codes when the caller has them (`query_words`)."""
+        if q_words is None:
+            q_words = self.query_words(state, q)
         if use_kernels(q.device):
             from sparsekv.kernels.adamas import code_scores
 
