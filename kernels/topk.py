@@ -48,8 +48,18 @@ the selection loads indices with the keys and takes max and min in one reduction
 measured with S alone changed). That final form, on the H100 (.scratch-style correctness + timing script, same
 checks as above plus 200 fresh 32 x 131072 rows, graph capture and 300 repeats: all exact): 31.9 us (33.0
 rotated; torch.topk 94.3 / 101.5), 29.1 us with 2048-score tiles; 8 x 131072: 26.6 (torch 65.6); bf16: 32.6
-(torch 70.1); k 8192: 45.1 (torch 96.7); 32 x 32768: 18.9 (torch 59.9). Fallback costs (earlier form): a constant row 197 us, every row from its
-candidate slices 103 us, every row from the row itself 1.05 ms.
+(torch 70.1); k 8192: 45.1 (torch 96.7); 32 x 32768: 18.9 (torch 59.9). Fallback costs (earlier form): a constant
+row 197 us, every row from its candidate slices 103 us, every row from the row itself 1.05 ms.
+
+Where the time goes (H100, `results/topk-tuning-h100-session6.json`; 32 x 131072 fp32, k 2048, L2-cold inputs): with
+2048-score tiles, now the default when the candidates fit 4096, 30.4 us (33.0 with 4096-score tiles; torch.topk 119).
+The `_trace` timeline: the row's bound is known after 7.8 us (median), chunks are compacted by 18.3 (the last 19.3),
+and the selecting program then takes 2.3 us to gather its candidates, 4.4 to search (six rounds) and 1.5 to write.
+Each phase is bound by instruction issue and dependent reduction rounds, not by memory: the bound's search issues
+~510 instructions per thread per round (32 sample keys each, about seven rounds), the streaming loop ~310 per
+2048-score tile. Accordingly, none of these helped: asking L2 for each chunk while the bound is computed
+(prefetch.global.L2: 33.0 us), 16 warps (33.7), 2 or 4 programs per SM (34.6-46: a second wave), loading the first
+tiles after the ticket (no change). The 25 us target needs fewer or cheaper rounds in the bound and the search.
 """
 
 from __future__ import annotations
@@ -321,9 +331,9 @@ def _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, KEY_BITS: tl.constexpr, NAN16:
 
 
 @triton.jit
-def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr,
-            CAP: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, OFF: tl.constexpr, UMAX: tl.constexpr,
-            MASKED: tl.constexpr, PAIR: tl.constexpr):
+def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16: tl.constexpr,
+            CHUNK: tl.constexpr, CAP: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, OFF: tl.constexpr,
+            UMAX: tl.constexpr, MASKED: tl.constexpr, PAIR: tl.constexpr, TRACE: tl.constexpr):
     """The row's last program: its top-k from the candidate slices."""
     j = tl.arange(0, CAP)
     addr = j  # where candidate j (in index order) lies: its chunk's slice, after that slice's earlier ones
@@ -338,9 +348,13 @@ def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, KEY_BITS: tl.constexpr, NAN16: tl.c
         i = tl.load(CIr + addr, mask=valid, other=0, cache_modifier=".cg")  # in flight with the keys
         s = _to_skeys(bits, valid, KEY_BITS, NAN16)
         mx, mn = _maxmin(s, valid, PAIR)  # the search starts from the candidates' [min, max]
+        if TRACE:
+            tl.store(TRq + 4, _now())
         zero = tl.zeros([], tl.int32)
         lo, hi, above, need, binc = _search(s, mn.to(tl.int64) + OFF, mx.to(tl.int64) + OFF, zero, zero + k, C,
                                             k, OFF, PAIR)
+        if TRACE:
+            tl.store(TRq + 7, _now())
         lo_s = (lo - OFF).to(tl.int32)
         hi_s = (hi - OFF).to(tl.int32)
         a = (valid & (s > hi_s)).to(tl.int32)
@@ -362,7 +376,8 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
                  OFF: tl.constexpr, UMAX: tl.constexpr, MASKED: tl.constexpr, FLIP: tl.constexpr,
                  PAIR: tl.constexpr, EVEN: tl.constexpr, TRACE: tl.constexpr):
     q = tl.program_id(0)
-    if TRACE:  # timeline for tuning (GPU only): start, bound known, chunk compacted, selected
+    if TRACE:  # timeline for tuning (GPU only), per program: start, bound known, chunk compacted, selected; the
+        # selecting program also its candidates gathered (slot 4) and its search done (slot 7)
         tl.store(TR + 8 * q, _now())
     r = q // P
     p = q - r * P
@@ -421,8 +436,8 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
         if HAS_BOUND:
             tl.atomic_xchg(ARRIVE + r, 0, sem="relaxed")
             tl.atomic_xchg(BOUND + r, 0, sem="relaxed")
-        _select(Xr, CK + r64 * P * CHUNK, CI + r64 * P * CHUNK, CNTr, OUT + r64 * stride_o, N, k, P, KEY_BITS,
-                NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR)
+        _select(Xr, CK + r64 * P * CHUNK, CI + r64 * P * CHUNK, CNTr, OUT + r64 * stride_o, N, k, P, TR + 8 * q,
+                KEY_BITS, NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR, TRACE)
         if TRACE:
             tl.store(TR + 8 * q + 3, _now())
             tl.store(TR + 8 * q + 6, 1)
@@ -680,8 +695,8 @@ def _radix_topk(x: torch.Tensor, k: int, o: torch.Tensor, block: int | None, num
                         BLOCK=block, SUB=sub, S_POW2=triton.next_power_of_2(blocks), num_warps=4)
 
 
-def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: int = 4096, cap: int | None = None,
-          sample: int | None = None, z: float = 5.0) -> dict | None:
+def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: int | None = None,
+          cap: int | None = None, sample: int | None = None, z: float = 5.0) -> dict | None:
     """Sizes for the one-launch path, or None when it does not apply (k > 8192). About one program per
     multiprocessor: each row gets n_sm // rows chunks (at most _P_MAX), a power of two each."""
     fixed_cap = cap is not None
@@ -690,8 +705,8 @@ def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: 
         return None
     chunk = chunk or triton.next_power_of_2(triton.cdiv(n, min(_P_MAX, max(1, n_sm // rows))))
     chunk = min(max(chunk, triton.next_power_of_2(triton.cdiv(n, _P_MAX))), max(16, triton.next_power_of_2(n)))
-    tile = min(tile, chunk)
-    plan = dict(chunk=chunk, p=triton.cdiv(n, chunk), tile=tile, has_bound=False, s=8, stride=8, j=1, j_hi=1)
+    plan = dict(chunk=chunk, p=triton.cdiv(n, chunk), tile=min(tile or 4096, chunk), has_bound=False, s=8, stride=8,
+                j=1, j_hi=1)
     if n <= cap:  # every score is a candidate
         plan["cap"] = max(16, triton.next_power_of_2(n))
         return plan
@@ -714,7 +729,10 @@ def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: 
     s, j, j_hi, worst = best
     while worst > cap and cap < _CAP_MAX and not sample and not fixed_cap:
         cap *= 2
-    plan.update(cap=cap, has_bound=True, s=s, stride=n // (s // 8), j=j, j_hi=j_hi)
+    # 2048-score tiles stream faster than 4096 when the candidates fit 4096 (H100, 32 x 131072 fp32, k 2048: 30.5
+    # against 33.1 us; 8 rows 23.0 / 26.4; bf16 31.2 / 33.8; 32 x 32768 17.8 / 20.0), slower for k 8192 (48.0 / 45.5)
+    plan.update(cap=cap, has_bound=True, s=s, stride=n // (s // 8), j=j, j_hi=j_hi,
+                tile=min(tile or (2048 if cap <= 4096 else 4096), chunk))
     return plan
 
 
@@ -807,7 +825,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         if scores.is_cuda:
             n_sm = num_sms(scores.device)
             whole_row = _cap is None and _sample is None and n <= _CAP_MAX  # every score a candidate
-            plan = _plan(n, k, rows, n_sm, _chunk, _tile or 4096, n if whole_row else _cap, _sample, _z)
+            plan = _plan(n, k, rows, n_sm, _chunk, _tile, n if whole_row else _cap, _sample, _z)
         else:  # the interpreter: small chunks and tiles, so that the loops and the gather run
             plan = _plan(n, k, rows, 4 * rows, _chunk or 512, _tile or 128, _cap, _sample, _z)
     if plan is None:

@@ -220,6 +220,21 @@ def test_default_path_rule(monkeypatch):
     assert default_path(True, 100) == "radix" and describe_default(True) == "radix path"
 
 
+def test_plan_tile_rule():
+    """The long-row plan streams 2048-score tiles when its candidates fit 4096 (measured faster on the H100) and
+    4096-score tiles above; an explicit tile wins, and no tile exceeds the chunk."""
+    from sparsekv.kernels.topk import _plan
+    p = _plan(131072, 2048, 32, 132)
+    assert p["has_bound"] and p["cap"] <= 4096 and p["tile"] == 2048
+    p = _plan(131072, 8192, 32, 132)
+    assert p["has_bound"] and p["cap"] > 4096 and p["tile"] == 4096
+    assert _plan(131072, 2048, 32, 132, tile=4096)["tile"] == 4096
+    assert _plan(32768, 100, 32, 132, chunk=1024)["tile"] == 1024
+    p = _plan(16384, 100, 1, 4, cap=16384)  # every score a candidate: no bound, 4096-score tiles
+    assert not p["has_bound"] and p["chunk"] == 4096 and p["tile"] == 4096
+    assert _plan(100000, 9000, 1, 132) is None  # k > 8192: the radix path
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("n", [4000, 8191, 16384])
 def test_gpu_default_whole_row_with_ties(n, monkeypatch):
