@@ -729,8 +729,9 @@ def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: 
     s, j, j_hi, worst = best
     while worst > cap and cap < _CAP_MAX and not sample and not fixed_cap:
         cap *= 2
-    # 2048-score tiles stream faster than 4096 when the candidates fit 4096 (H100, 32 x 131072 fp32, k 2048: 30.5
-    # against 33.1 us; 8 rows 23.0 / 26.4; bf16 31.2 / 33.8; 32 x 32768 17.8 / 20.0), slower for k 8192 (48.0 / 45.5)
+    # 2048-score tiles stream faster than 4096 when the candidates fit 4096 (H100, L2-cold, 32 x 131072 fp32, k 2048:
+    # 30.4 against 33.0 us; 8 rows 23.3 / 26.5; bf16 30.9 / 33.4; 32 x 32768 18.0 / 20.2), slower above (k 4096:
+    # 34.9 / 34.0; k 8192: 47.4 / 45.6). results/topk-tuning-h100-session6.json
     plan.update(cap=cap, has_bound=True, s=s, stride=n // (s // 8), j=j, j_hi=j_hi,
                 tile=min(tile or (2048 if cap <= 4096 else 4096), chunk))
     return plan
