@@ -253,12 +253,10 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     if values.dtype not in (torch.int16, torch.int32):
         raise ValueError(f"smallest_k: values must be int16 or int32, got {values.dtype}")
     bits = value_bits(max_value)
-    x, out = rows_and_out(values, k, out, "smallest_k")
-    n = x.shape[-1]
-    rows = x.shape[0]
+    x, out, o = rows_and_out(values, k, out, "smallest_k")
+    rows, n = x.shape
     if rows == 0 or k == 0:
         return out
-    o = out.view(rows, k)
     pl = plan(n, rows, values.device, chunk=_chunk, tile=_tile)
     t = scratch(values.device, rows, pl["p"], bits)
     s, nb2, vmax = shift(bits), fine_bins(bits), (1 << bits) - 1

@@ -753,8 +753,10 @@ def _fused_scratch(device: torch.device, rows: int, p: int, chunk: int) -> dict[
 
 
 def rows_and_out(scores: torch.Tensor, k: int, out: torch.Tensor | None, name: str):
-    """A selection's argument checks: scores [..., n] as rows [R, n] with unit stride, and the int64 output
-    [..., k] (made, or `out` checked: contiguous, on the scores' device)."""
+    """A selection's argument checks: scores [..., n] as rows x [R, n] with unit stride, the int64 output out
+    [..., k] (made, or `out` checked: contiguous, on the scores' device), and out viewed as rows [R, k]."""
+    if scores.dim() < 1:
+        raise ValueError(f"{name}: the input needs at least one dimension")
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"{name}: k={k} must be between 0 and the row length {n}")
@@ -768,7 +770,7 @@ def rows_and_out(scores: torch.Tensor, k: int, out: torch.Tensor | None, name: s
         raise ValueError(f"{name}: out must be int64 {(*lead, k)} on {scores.device}")
     if not out.is_contiguous():
         raise ValueError(f"{name}: out must be contiguous")
-    return x, out
+    return x, out, out.view(x.shape[0], k)
 
 
 def default_path(cuda: bool, n: int | None = None) -> str:
@@ -810,14 +812,10 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     """
     if scores.dtype not in _KEY_BITS:
         raise ValueError(f"topk: scores must be float32, float16 or bfloat16, got {scores.dtype}")
-    if scores.dim() < 1:
-        raise ValueError("topk: scores needs at least one dimension")
-    x, out = rows_and_out(scores, k, out, "topk")
-    n = x.shape[-1]
-    rows = x.shape[0]
+    x, out, o = rows_and_out(scores, k, out, "topk")
+    rows, n = x.shape
     if rows == 0 or k == 0:
         return out
-    o = out.view(rows, k)
     plan = None
     path = _path or default_path(scores.is_cuda, n)
     if path not in ("radix", "fused"):

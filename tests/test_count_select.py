@@ -74,6 +74,8 @@ def test_smallest_k_rejects_bad_input():
         smallest_k(v, 11, 10)
     with pytest.raises(ValueError, match="below 2\\^14"):
         smallest_k(v, 3, 1 << MAX_BITS)
+    with pytest.raises(ValueError, match="smallest_k: the input needs at least one dimension"):
+        smallest_k(torch.tensor(3, dtype=torch.int32), 1, 10)
     assert value_bits(0) == 1 and value_bits(2047) == 11
 
 

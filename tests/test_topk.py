@@ -149,6 +149,8 @@ def test_bad_arguments():
         topk_reference(x, 11)
     with pytest.raises(ValueError, match="float32"):
         topk(x.double(), 2)
+    with pytest.raises(ValueError, match="topk: the input needs at least one dimension"):
+        topk(torch.tensor(1.0, device=DEV), 1)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
