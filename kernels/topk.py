@@ -60,6 +60,11 @@ Each phase is bound by instruction issue and dependent reduction rounds, not by 
 2048-score tile. Accordingly, none of these helped: asking L2 for each chunk while the bound is computed
 (prefetch.global.L2: 33.0 us), 16 warps (33.7), 2 or 4 programs per SM (34.6-46: a second wave), loading the first
 tiles after the ticket (no change). The 25 us target needs fewer or cheaper rounds in the bound and the search.
+Also tried (`results/topk-warp-local-h100-session7.json`, patch beside it): warp-local compaction, each warp scanning
+its own contiguous sub-chunks into their own slices (no barrier in the streaming loop; compaction done ~3 us sooner
+with 16 warps), lost the gain to the gather over 4x-8x more slices (3.4-3.9 us against 2.3) and to the slower bound
+of 16 warps: 30.4 us again. A 9-way search (eight thresholds per reduction) slowed the bound and the search: their
+rounds are bound by per-key compares and the scalar chain, not by the reductions.
 """
 
 from __future__ import annotations

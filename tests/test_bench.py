@@ -73,6 +73,11 @@ def test_topk_rows(result):
     assert t["us"] > 0
 
 
+def test_dense_only_says_why_no_topk():
+    r = run_bench("smollm2-135m", 512, "sdpa", [256], dtype="fp32", device="cpu")
+    assert r["topk"] == [] and any("top-k not timed" in n for n in r["notes"])
+
+
 def test_sweep_list_and_cpu_cap():
     r = run_bench("smollm2-135m", 1024, ["streaming"], [64, 128], dtype="fp32", device="cpu", sweep=[512, 1024],
                   topk=False)
