@@ -62,7 +62,7 @@ Each phase is bound by instruction issue and dependent reduction rounds, not by 
 tiles after the ticket (no change). The 25 us target needs fewer or cheaper rounds in the bound and the search.
 Also tried (`results/topk-warp-local-h100-session7.json`, patch beside it): warp-local compaction, each warp scanning
 its own contiguous sub-chunks into their own slices (no barrier in the streaming loop; compaction done ~3 us sooner
-with 16 warps), lost the gain to the gather over 4x-8x more slices (3.4-3.9 us against 2.3) and to the slower bound
+with 16 warps), lost the gain to the gather over 16-32x more slices (3.4-3.9 us against 2.3) and to the slower bound
 of 16 warps: 30.4 us again. A 9-way search (eight thresholds per reduction) slowed the bound and the search: their
 rounds are bound by per-key compares and the scalar chain, not by the reductions.
 """
