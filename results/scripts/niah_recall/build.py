@@ -1,5 +1,6 @@
+"""Step 2: pads each prompt of raw.json to exactly 4096 tokens (the gold answer and a short closing turn) so that
+`sparsekv dump --seq-len 4096` puts one prompt per sequence; writes niah.txt and niah-meta.json. Step 3: needle.py."""
 import json
-from transformers import AutoTokenizer
 from sparsekv.models import load_model
 tok = load_model("smollm2-135m", quiet=True).tokenizer
 raw = json.load(open("raw.json"))

@@ -1,3 +1,5 @@
+"""Step 1 of the NIAH selection measurement: one RULER NIAH prompt per subtask (4096 + 128 tokens, seed 42, the
+jargon haystack) from the project's own generator, checked to round-trip through the tokenizer; writes raw.json."""
 import json
 from sparsekv.models import load_model
 from sparsekv.eval.ruler.generate import make_samples

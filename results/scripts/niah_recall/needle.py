@@ -1,8 +1,13 @@
 """Needle-value capture at the answer position: for each prompt, the query at its last prompt token (the one that
 predicts the first answer token); per layer, the share of dense attention mass on the needle-value tokens that each
 method's attended set keeps (summed over query heads), and the share of (query head) rows whose attended set has
-every value token of at least one needle."""
-import json, torch
+every value token of at least one needle.
+
+usage (in the folder where gen.py and build.py wrote niah.txt and niah-meta.json):
+    python needle.py DUMP ARTIFACT OUT.json
+DUMP: `sparsekv dump --text-file niah.txt --seq-len 4096 --tokens 32768 --queries 4096 --out DUMP`; ARTIFACT: an
+Adamas artifact version folder (results/artifacts/smollm2-135m-instruct-q4_1/adamas/v1)."""
+import json, sys, torch
 from sparsekv.activations import load_activations
 from sparsekv.eval.recall import _attended, _bind, DumpModel
 from sparsekv.methods import CacheShape, get_method
@@ -10,9 +15,9 @@ from sparsekv.models import load_model
 tok = load_model("smollm2-135m", quiet=True).tokenizer
 meta = json.load(open("niah-meta.json"))
 ids = tok.encode(open("niah.txt").read(), add_special_tokens=False)
-acts = load_activations("/tmp/niah/dump")
+DUMP, ART, OUT = sys.argv[1:4]
+acts = load_activations(DUMP)
 target = DumpModel.from_dump(acts)
-ART = "/work/main/results/artifacts/smollm2-135m-instruct-q4_1/adamas/v1"
 specs = [(f"{m}@{b}", (lambda m=m, b=b: get_method(m, budget=b, **({"artifact": ART} if m == "adamas" else {}))))
          for b in (64, 128) for m in ("oracle", "adamas", "streaming")]
 # needle value token positions per prompt
@@ -63,7 +68,9 @@ for name, r in res.items():
     per = [round(c / t, 3) for c, t in zip(r["cap"], r["tot"])]
     out[name] = {"needle_mass_captured": cap, "rows_with_a_whole_needle_value": full, "per_layer_captured": per}
     print(name, f"needle-mass captured {cap:.3f}  rows with a whole needle value {full:.3f}")
-print("dense mass on needle values per layer (sum over 9 q heads, mean over 8 prompts):",
-      [round(t / 8, 2) for t in res["oracle@64"]["tot"]])
-for name in out: print(name, out[name]["per_layer_captured"])
-json.dump(out, open("needle.json", "w"), indent=1)
+dense = [round(t / 8, 3) for t in res["oracle@64"]["tot"]]
+out["dense_mass_on_needle_values_per_layer"] = dense  # summed over the query heads, mean over the 8 prompts
+print("dense mass on needle values per layer (sum over 9 q heads, mean over 8 prompts):", dense)
+for name, r in out.items():
+    if name in res: print(name, r["per_layer_captured"])
+json.dump(out, open(OUT, "w"), indent=1)
