@@ -65,6 +65,14 @@ its own contiguous sub-chunks into their own slices (no barrier in the streaming
 with 16 warps), lost the gain to the gather over 16-32x more slices (3.4-3.9 us against 2.3) and to the slower bound
 of 16 warps: 30.4 us again. A 9-way search (eight thresholds per reduction) slowed the bound and the search: their
 rounds are bound by per-key compares and the scalar chain, not by the reductions.
+Session 8 (`results/topk-imad-h100-session8.json`): the masked lanes' store offset is a runtime value (see
+`_scatter_offsets`), so each candidate's address is one IMAD.WIDE: 264 instructions per streaming tile instead of 310,
+chunks compacted ~1 us sooner. 32 x 131072 fp32, k 2048: 28.9 us against 30.0 before (same run; 29.7 / 30.4 and
+28.9 / 30.5 in two other runs; `sparsekv bench`: 29.5); bf16 30.4 / 30.9; 8 rows 22.8 / 23.1; 32 x 32768 17.7 / 17.9;
+k 8192 44.6 / 45.6. Tried and dropped (patch beside the JSON): [TILE / 128, 128] tiles with in-warp row scans (fewer
+instructions, more barriers: 30.5-34.9 us); chunk 0's program loading the sample before its ticket (29.5, no gain); a
+first bound round cut at the sample's Gaussian quantiles (mean + z sd): the bound known 2.4 us sooner on Gaussian-like
+rows (27.3 us) but 2.6-3.8 us later on exponential and uniform ones (32.9, 34.1), so not robust.
 """
 
 from __future__ import annotations
@@ -85,13 +93,17 @@ _P_MAX = 64  # chunks per row (the gather is unrolled over them)
 
 
 @triton.jit
-def _scatter_offsets(pos, mask):
+def _scatter_offsets(pos, mask, other=0):
     """Offsets of masked scattered stores, marked contiguous in runs of 4. A lie the store tolerates: its mask is
     data-dependent, so its vector width stays 1 and every lane stores at its own offset, but the compiler now gives
     the store the 4-per-thread layout of the loads feeding it. Without the mark it picks one score per thread for
     the store and converts the pointers, values and mask through shared memory on every tile (round trips with
-    barriers that made up a third of the streaming loop)."""
-    pos = tl.where(mask, pos, 0)  # an op the canonicaliser keeps, to carry the marks
+    barriers that made up a third of the streaming loop).
+    `other` (the masked lanes' offset) should be a runtime value, such as the running count: with the constant 0,
+    LLVM moves the 64-bit sign extension above the select and builds each address by hand (sign, two selects, a
+    64-bit shift and add: ~9 instructions per store); with a runtime value the select stays 32-bit and each address
+    is one IMAD.WIDE. Streaming loop on sm_90: 310 -> 264 instructions per tile; H100: 30.0 -> 28.9 us."""
+    pos = tl.where(mask, pos, other)  # an op the canonicaliser keeps, to carry the marks
     return tl.max_contiguous(tl.multiple_of(pos, 4), 4)
 
 
@@ -325,7 +337,7 @@ def _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, KEY_BITS: tl.constexpr, NAN16:
             room = tl.maximum(need - eq_run, 0)  # ties still to take
             eq_pre = pre >> 16
             take = (a > 0) | ((e > 0) & (eq_pre < room))
-            pos = _scatter_offsets(sel_run + (pre & 0xFFFF) + tl.minimum(eq_pre, room), take)
+            pos = _scatter_offsets(sel_run + (pre & 0xFFFF) + tl.minimum(eq_pre, room), take, sel_run)
             if from_x:
                 i = p * CHUNK + jj
             else:
@@ -368,7 +380,7 @@ def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16:
         pre = tl.cumsum(both, 0) - both
         eq_pre = pre >> 16
         take = (a > 0) | ((e > 0) & (eq_pre < need))
-        pos = _scatter_offsets((pre & 0xFFFF) + tl.minimum(eq_pre, need), take)
+        pos = _scatter_offsets((pre & 0xFFFF) + tl.minimum(eq_pre, need), take, need)
         tl.store(Or + pos, i.to(tl.int64), mask=take)
     else:
         _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, KEY_BITS, NAN16, CHUNK, TILE, OFF, UMAX, MASKED, PAIR)
@@ -425,7 +437,7 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
         if not EVEN:
             cand = cand & (idx < N)
         c = cand.to(tl.int32)
-        pos = _scatter_offsets(run + tl.cumsum(c, 0) - c, cand)  # index order inside the chunk
+        pos = _scatter_offsets(run + tl.cumsum(c, 0) - c, cand, run)  # index order inside the chunk
         tl.store(CKs + pos, b0.to(tl.int32), mask=cand)  # the score's bits: the selecting program makes keys
         tl.store(CIs + pos, idx, mask=cand)
         run += tl.sum(c, 0)
