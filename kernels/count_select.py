@@ -141,7 +141,7 @@ def _pass3(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, stride_o, 
         pre = tl.cumsum(both, 0) - both
         eq_pre = eq_run + (pre >> 16)
         take = (a > 0) | ((e > 0) & (eq_pre < need))
-        pos = _scatter_offsets(lt_run + (pre & 0xFFFF) + tl.minimum(eq_pre, need), take)
+        pos = _scatter_offsets(lt_run + (pre & 0xFFFF) + tl.minimum(eq_pre, need), take, lt_run)
         tl.store(Or + pos, (idx + offset).to(tl.int64), mask=take)
         lt_run += tl.sum(a, 0)
         eq_run += tl.sum(e, 0)
