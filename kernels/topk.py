@@ -100,9 +100,9 @@ def _scatter_offsets(pos, mask, other=0):
     the store and converts the pointers, values and mask through shared memory on every tile (round trips with
     barriers that made up a third of the streaming loop).
     `other` (the masked lanes' offset) should be a runtime value, such as the running count: with the constant 0,
-    LLVM moves the 64-bit sign extension above the select and builds each address by hand (sign, two selects, a
-    64-bit shift and add: ~9 instructions per store); with a runtime value the select stays 32-bit and each address
-    is one IMAD.WIDE. Streaming loop on sm_90: 310 -> 264 instructions per tile; H100: 30.0 -> 28.9 us."""
+    LLVM moves the 64-bit sign extension above the select and builds each address by hand (sign, two selects and a
+    64-bit shift per offset, a 64-bit add per store: ~9 instructions for a candidate's two stores); with a runtime
+    value the select stays 32-bit and each address is one IMAD.WIDE. Streaming loop on sm_90: 310 -> 264 instructions per tile; H100: 30.0 -> 28.9 us."""
     pos = tl.where(mask, pos, other)  # an op the canonicaliser keeps, to carry the marks
     return tl.max_contiguous(tl.multiple_of(pos, 4), 4)
 
