@@ -4,8 +4,8 @@ an experimental copy of it, beside the committed kernel and torch.topk in the sa
     python results/scripts/topk_tuning.py OUT.json [sweep|main|dists] [MODULE] ["[VARIANTS]"]
 
 MODULE defaults to sparsekv.kernels.topk_x: the copy that `results/topk-session8-experiments.patch` makes of
-kernels/topk.py (`patch -p1 -o kernels/topk_x.py kernels/topk.py < results/topk-session8-experiments.patch`, or copy
-and edit). VARIANTS: a Python list of keyword dicts for its `topk` (the first also runs the 40 checks), e.g.
+kernels/topk.py as of commit c0bf871 (`git show c0bf871:kernels/topk.py > kernels/topk_x.py && patch -p1 kernels/topk_x.py
+< results/topk-session8-experiments.patch`), or any edited copy. VARIANTS: a Python list of keyword dicts for its `topk` (the first also runs the 40 checks), e.g.
 "[{}, dict(_guide=(1.7, 1.2, 0.85, 0.6))]". `sweep` = checks + five shapes, `main` = the 32 x 131072 fp32 shape only,
 `dists` = checks + exponential, uniform and attention-like rows + the main shape. Needs CUDA.
 Produced results/topk-imad-h100-session8.json."""
