@@ -93,16 +93,17 @@ _P_MAX = 64  # chunks per row (the gather is unrolled over them)
 
 
 @triton.jit
-def _scatter_offsets(pos, mask, other=0):
+def _scatter_offsets(pos, mask, other):
     """Offsets of masked scattered stores, marked contiguous in runs of 4. A lie the store tolerates: its mask is
     data-dependent, so its vector width stays 1 and every lane stores at its own offset, but the compiler now gives
     the store the 4-per-thread layout of the loads feeding it. Without the mark it picks one score per thread for
     the store and converts the pointers, values and mask through shared memory on every tile (round trips with
     barriers that made up a third of the streaming loop).
-    `other` (the masked lanes' offset) should be a runtime value, such as the running count: with the constant 0,
-    LLVM moves the 64-bit sign extension above the select and builds each address by hand (sign, two selects and a
-    64-bit shift per offset, a 64-bit add per store: ~9 instructions for a candidate's two stores); with a runtime
-    value the select stays 32-bit and each address is one IMAD.WIDE. Streaming loop on sm_90: 310 -> 264 instructions per tile; H100: 30.0 -> 28.9 us."""
+    `other` (the masked lanes' offset; no store uses it) must be a runtime value, such as the running count: with
+    a constant 0, LLVM moves the 64-bit sign extension above the select and builds each address by hand (sign, two
+    selects and a 64-bit shift per offset, a 64-bit add per store: ~9 instructions for a candidate's two stores);
+    with a runtime value the select stays 32-bit and each address is one IMAD.WIDE (the streaming loop on sm_90:
+    310 -> 264 instructions per tile; timings in the module docstring)."""
     pos = tl.where(mask, pos, other)  # an op the canonicaliser keeps, to carry the marks
     return tl.max_contiguous(tl.multiple_of(pos, 4), 4)
 
