@@ -73,6 +73,11 @@ k 8192 44.6 / 45.6. Tried and dropped (patch beside the JSON): [TILE / 128, 128]
 instructions, more barriers: 30.5-34.9 us); chunk 0's program loading the sample before its ticket (29.5, no gain); a
 first bound round cut at the sample's Gaussian quantiles (mean + z sd): the bound known 2.4 us sooner on Gaussian-like
 rows (27.3 us) but 2.6-3.8 us later on exponential and uniform ones (32.9, 34.1), so not robust.
+Session 9 (`results/topk-session9-h100.json`, `results/kernels-h100.md`): an Nsight Compute profile shows the streaming
+loop bound by dependent-instruction latency at 8 warps (a quarter of its samples in the running count's reduction), not
+by memory, and L2-cold traces put the bound at 9.8 us (the sample's HBM reads queue behind the first tiles). Measured
+and dropped: every program computing the bound, deeper prefetch, counts in the ticket, and per-program bounds from
+sub-samples (28.2 us on this shape, slower on 32 x 32768 and k 8192).
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ kernels/topk.py as of commit c0bf871 (`git show c0bf871:kernels/topk.py > kernel
 < results/topk-session8-experiments.patch`), or any edited copy. VARIANTS: a Python list of keyword dicts for its `topk` (the first also runs the 40 checks), e.g.
 "[{}, dict(_guide=(1.7, 1.2, 0.85, 0.6))]". `sweep` = checks + five shapes, `main` = the 32 x 131072 fp32 shape only,
 `dists` = checks + exponential, uniform and attention-like rows + the main shape. Needs CUDA.
-Produced results/topk-imad-h100-session8.json."""
-import json, sys, time
+Traces run one input 5 times in a row (L2-warm); with TOPK_TRACE_COLD=1 in the environment every traced call follows a
+96 MB write (L2-cold, as the timings are). Produced results/topk-imad-h100-session8.json and, with the session-9 copy
+(results/topk-session9-experiments.patch, against kernels/topk.py as of f6e0961), results/topk-session9-h100.json."""
+import json, os, sys, time
 import torch
 from triton.testing import do_bench_cudagraph
 import importlib; T = importlib.import_module(sys.argv[3] if len(sys.argv) > 3 else "sparsekv.kernels.topk_x")
@@ -29,11 +31,16 @@ def rotated(fn_list):
         for f in fn_list: f()
     return do_bench_cudagraph(run, rep=200) * 1e3 / len(fn_list)
 
+FLUSH = torch.empty(96 << 20, dtype=torch.uint8, device=dev) if os.environ.get("TOPK_TRACE_COLD") == "1" else None
+
 def trace(x, k, **kw):
     rows = x.shape[0]
     tr = torch.zeros(rows * 256 * 8, dtype=torch.int64, device=dev)
     for _ in range(5):
-        tr.zero_(); topk(x, k, _trace=tr, **kw); torch.cuda.synchronize()
+        tr.zero_()
+        if FLUSH is not None:  # evict the input from L2
+            FLUSH.zero_(); torch.cuda.synchronize()
+        topk(x, k, _trace=tr, **kw); torch.cuda.synchronize()
     t = tr.view(-1, 8)
     t = t[t[:, 0] > 0]
     start = t[:, 0].min()
