@@ -77,7 +77,7 @@ Session 9 (`results/topk-session9-h100.json`, `results/kernels-h100.md`): an Nsi
 loop bound by dependent-instruction latency at 8 warps (a quarter of its samples in the running count's reduction), not
 by memory, and L2-cold traces put the bound at 9.8 us (the sample's HBM reads queue behind the first tiles). Measured
 and dropped: every program computing the bound, deeper prefetch, counts in the ticket, and per-program bounds from
-sub-samples (28.2 us on this shape, slower on 32 x 32768 and k 8192).
+sub-samples (28.2 us on this shape with 32-score sample groups; slower on 32 x 32768 and k 8192 with 8-score ones).
 """
 
 from __future__ import annotations
