@@ -75,9 +75,9 @@ first bound round cut at the sample's Gaussian quantiles (mean + z sd): the boun
 rows (27.3 us) but 2.6-3.8 us later on exponential and uniform ones (32.9, 34.1), so not robust.
 Session 9 (`results/topk-session9-h100.json`, `results/kernels-h100.md`): an Nsight Compute profile shows the streaming
 loop bound by dependent-instruction latency at 8 warps (a quarter of its samples in the running count's reduction), not
-by memory, and L2-cold traces put the bound at 9.8 us (the sample's HBM reads queue behind the first tiles). Measured
-and dropped: every program computing the bound, deeper prefetch, counts in the ticket, and per-program bounds from
-sub-samples (28.2 us on this shape with 32-score sample groups; slower on 32 x 32768 and k 8192 with 8-score ones).
+by memory, and L2-cold traces put the bound at 9.8 us (likely the sample's HBM reads queued behind the first tiles).
+Measured and dropped: every program computing the bound, deeper prefetch, counts in the ticket, and per-program bounds
+from sub-samples (28.2 us on this shape with 32-score sample groups; slower on 32 x 32768 and k 8192 with 8-score ones).
 """
 
 from __future__ import annotations
