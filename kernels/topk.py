@@ -157,14 +157,23 @@ def _as_f32(b, KEY_BITS: tl.constexpr, NAN16: tl.constexpr):
 
 
 @triton.jit
+def _clamp_key(s, KEY_BITS: tl.constexpr, NAN16: tl.constexpr):
+    """s clamped to [key(-inf), key(+inf)]."""
+    if KEY_BITS == 32:
+        return tl.minimum(tl.maximum(s, -2139095041), 2139095040)
+    else:
+        return tl.minimum(tl.maximum(s, (0x8000 | NAN16) ^ 0xFFFF), 0x8000 | NAN16)
+
+
+@triton.jit
 def _key_as_f32(s, KEY_BITS: tl.constexpr, NAN16: tl.constexpr):
     """The score whose key is s, as an fp32 value, s clamped to [key(-inf), key(+inf)]: x >= it (or NaN) holds
-    for every score with key >= s (all NaNs and +infs when s is above +inf's key)."""
+    for every score with key >= s (all NaNs and +infs when s is above +inf's key), and only for scores whose key
+    is >= the clamped s."""
+    sc = _clamp_key(s, KEY_BITS, NAN16)
     if KEY_BITS == 32:
-        sc = tl.minimum(tl.maximum(s, -2139095041), 2139095040)  # keys of -inf, +inf
         return tl.where(sc >= 0, sc, sc ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     else:
-        sc = tl.minimum(tl.maximum(s, (0x8000 | NAN16) ^ 0xFFFF), 0x8000 | NAN16)
         return _as_f32(tl.where(sc >= 0x8000, sc ^ 0x8000, sc ^ 0xFFFF), KEY_BITS, NAN16)
 
 
@@ -284,13 +293,17 @@ def _fallback_count(CNTr, N, p, from_x, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, KEY_BITS: tl.constexpr, NAN16: tl.constexpr,
+def _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, LB, KEY_BITS: tl.constexpr, NAN16: tl.constexpr,
               CHUNK: tl.constexpr, TILE: tl.constexpr, OFF: tl.constexpr, UMAX: tl.constexpr,
               MASKED: tl.constexpr, PAIR: tl.constexpr):
-    """The row's selection from memory: the candidate slices when they hold >= k keys, else the whole row."""
+    """The row's selection from memory: the candidate slices when they hold >= k keys, else the whole row.
+    LB (u, >= 1): no candidate's key is below it. From the slices, the search starts at LB and each pass's first
+    threshold is lo + 1, so a pass that finds fewer than `need` keys above lo ends it: on tie-heavy rows (many
+    scores equal to the k-th largest, e.g. integer-valued ones, where the candidates overflow CAP) that is often the
+    first pass, instead of a 5-way narrowing pass after pass."""
     from_x = C < k
     zero = tl.zeros([], tl.int32)
-    lo = tl.full([], 1, tl.int64)  # every score's u is >= 1
+    lo = tl.where(from_x, 1, LB).to(tl.int64)  # every score's u is >= 1, every candidate's >= LB
     hi = tl.full([], UMAX, tl.int64)
     binc = tl.where(from_x, zero + N, C)
     above = zero
@@ -298,6 +311,7 @@ def _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, KEY_BITS: tl.constexpr, NAN16:
     jt = tl.arange(0, TILE)
     while (lo < hi) & (above + binc > k):
         t1, t2, t3, t4 = _thresholds(lo, hi)
+        t1 = tl.where(from_x, t1, lo + 1)  # < t2: from the slices, the keys above lo, to catch ties at lo
         lo_s = (lo - OFF).to(tl.int32)
         hi_s = (hi - OFF).to(tl.int32)
         a1 = zero
@@ -356,8 +370,8 @@ def _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, KEY_BITS: tl.constexpr, NAN16:
 @triton.jit
 def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16: tl.constexpr,
             CHUNK: tl.constexpr, CAP: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, OFF: tl.constexpr,
-            UMAX: tl.constexpr, MASKED: tl.constexpr, PAIR: tl.constexpr, TRACE: tl.constexpr):
-    """The row's last program: its top-k from the candidate slices."""
+            UMAX: tl.constexpr, MASKED: tl.constexpr, PAIR: tl.constexpr, TRACE: tl.constexpr, LB):
+    """The row's last program: its top-k from the candidate slices (LB: the bound they passed, u)."""
     j = tl.arange(0, CAP)
     addr = j  # where candidate j (in index order) lies: its chunk's slice, after that slice's earlier ones
     C = tl.zeros([], tl.int32)
@@ -389,7 +403,7 @@ def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16:
         pos = _scatter_offsets((pre & 0xFFFF) + tl.minimum(eq_pre, need), take, need)
         tl.store(Or + pos, i.to(tl.int64), mask=take)
     else:
-        _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, KEY_BITS, NAN16, CHUNK, TILE, OFF, UMAX, MASKED, PAIR)
+        _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, LB, KEY_BITS, NAN16, CHUNK, TILE, OFF, UMAX, MASKED, PAIR)
 
 
 @triton.jit
@@ -425,10 +439,12 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
         while lb == 0:
             lb = tl.atomic_add(BOUND + r, 0, sem="relaxed")
         low = _key_as_f32(lb ^ FLIP, KEY_BITS, NAN16)
+        low_u = _clamp_key(lb ^ FLIP, KEY_BITS, NAN16).to(tl.int64) + OFF  # every candidate's u is >= this
         if TRACE:
             tl.store(TR + 8 * q + 1, _now())
     else:
         low = _key_as_f32(tl.zeros([], tl.int32) + MASKED + 1, KEY_BITS, NAN16)  # -inf: every score
+        low_u = tl.full([], 1, tl.int64)
     CKs = CK + r64 * P * CHUNK + p * CHUNK  # this chunk's slice
     CIs = CI + r64 * P * CHUNK + p * CHUNK
     run = tl.zeros([], tl.int32)
@@ -460,7 +476,7 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
             tl.atomic_xchg(ARRIVE + r, 0, sem="relaxed")
             tl.atomic_xchg(BOUND + r, 0, sem="relaxed")
         _select(Xr, CK + r64 * P * CHUNK, CI + r64 * P * CHUNK, CNTr, OUT + r64 * stride_o, N, k, P, TR + 8 * q,
-                KEY_BITS, NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR, TRACE)
+                KEY_BITS, NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR, TRACE, low_u)
         if TRACE:
             tl.store(TR + 8 * q + 3, _now())
             tl.store(TR + 8 * q + 6, 1)
@@ -797,20 +813,20 @@ def rows_and_out(scores: torch.Tensor, k: int, out: torch.Tensor | None, name: s
 
 
 def default_path(cuda: bool, n: int | None = None) -> str:
-    """The path `topk` takes for rows of n scores when not told: $SPARSEKV_TOPK, else on CUDA "fused" for rows of at
-    most _CAP_MAX scores and "radix" for longer ones (see topk's docstring for why), and "fused" in the
-    interpreter."""
+    """The path `topk` takes for rows of n scores when not told: $SPARSEKV_TOPK, else "fused" (which hands k > 8192
+    to the radix path itself; see topk's docstring). `cuda` and `n` are kept for callers that ask per device and
+    row length: the rule no longer depends on them."""
     env = os.environ.get("SPARSEKV_TOPK")
     if env:
         return env
-    return "fused" if not cuda or (n is not None and n <= _CAP_MAX) else "radix"
+    return "fused"
 
 
 def describe_default(cuda: bool) -> str:
     """default_path's rule in words, for result files."""
-    if os.environ.get("SPARSEKV_TOPK") or not cuda:
+    if os.environ.get("SPARSEKV_TOPK"):
         return f"{default_path(cuda)} path"
-    return f"fused path for rows of up to {_CAP_MAX} scores, radix above"
+    return "fused path (radix for k > 8192)"
 
 
 def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
@@ -824,14 +840,16 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     NaN ranks above +inf and -0.0 ties with +0.0, as in torch.sort / torch.topk. No host sync, so it can be
     captured in a CUDA graph. Works on CUDA and under TRITON_INTERPRET=1 on the CPU. The underscored arguments
     are tuning knobs. Path: the one-launch fused kernel, or the multi-launch radix select (`_path`, else
-    $SPARSEKV_TOPK). On CUDA the default is "radix" for rows longer than _CAP_MAX: the fused kernel is exact and 3x
-    faster than torch.topk on continuous scores, but Adamas' and LSH's score rows (pooled integer code distances)
-    are full of ties, and there it falls back to its slow paths (H100, `sparsekv bench` at 131072: adamas step
-    306 µs with it vs 117 µs with radix, lsh 319 vs 105; those two methods now select with the counting select,
-    `count_select.py`, instead). Rows of at most _CAP_MAX scores take the fused kernel
-    with every score a candidate (no sampled bound, so ties cannot send it to a fallback): one launch instead of
-    six, which is what an eager decode step pays for (~40 µs of Python per Triton launch on the H100 machine).
-    Elsewhere (the interpreter) it is "fused", with the sampled bound as on long rows, so the tests reach it.
+    $SPARSEKV_TOPK). The default is "fused" (k > 8192 goes to the radix path). Until session 9 CUDA took "radix" for
+    rows longer than _CAP_MAX, because an earlier fused kernel fell to its slow paths on tie-heavy rows
+    (Adamas' and LSH's pooled integer code distances: adamas step 306 µs vs 117 with radix at 131072; those
+    methods now use the counting select). Measured in session 9 (H100, 32 x 131072, k 2048, µs graph,
+    `results/topk-ties-h100-session9.json`), fused against radix: randn 29.7 / 90.1; integers in [0, 3) 94.8 /
+    106.7, [0, 40) 46.4 / 93.1, [0, 600) 36.9 / 87.2; negated Adamas-like distances 39.9 / 90.1; half-steps 31.5 /
+    88.7; bf16 integers 50.6 / 94.5; only constant rows lose (223 / 148). Rows of at most _CAP_MAX scores take the
+    fused kernel with every score a candidate (no sampled bound, so ties cannot send it to a fallback): one launch
+    instead of six, which is what an eager decode step pays for (~40 µs of Python per Triton launch on the H100
+    machine).
     """
     if scores.dtype not in _KEY_BITS:
         raise ValueError(f"topk: scores must be float32, float16 or bfloat16, got {scores.dtype}")

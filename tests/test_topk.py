@@ -18,7 +18,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(autouse=True, params=["radix", "fused"] if CUDA else ["default"])
 def path(request, monkeypatch):
-    """On a GPU every test runs both paths (CUDA's default depends on the row length: test_default_path_rule)."""
+    """On a GPU every test runs both paths (the default is the fused one: test_default_path_rule)."""
     if request.param != "default":
         monkeypatch.setenv("SPARSEKV_TOPK", request.param)
     return request.param
@@ -102,6 +102,22 @@ def test_forced_fallbacks(dtype):
             _check(x, k, _cap=max(256, k))  # cap about k: more candidates than registers -> from the slices
         _check(x, 90, _z=-30.0)  # bound far too high: fewer than k candidates -> from the row
     _check(rnd, 1200, _z=-30.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_slices_fallback_bound_above_inf(dtype):
+    """NaNs at the sampled positions put the bound at NaN's key, but the row holds fewer NaNs than k: the +infs
+    that the bound's score (+inf, clamped) lets through are needed, and the from-the-slices search must start below
+    them (at the clamped bound), not at the bound itself."""
+    n, k, s = 4096, 300, 256
+    i = torch.arange(s)
+    sampled = (i // 8) * (n // (s // 8)) + i % 8  # the strided sample's positions (topk's _plan)
+    x = torch.randn(2, n, generator=_gen(8))
+    x[:, torch.randperm(n, generator=_gen(9))[:2000]] = float("inf")
+    x[:, sampled[:64]] = float("nan")  # 64 NaNs: well above the sample's J (~43) but fewer than k
+    if DEV == "cpu":  # the interpreter's plan; on the GPU the sample differs, the row is still a valid check
+        _check(x.to(dtype).to(DEV), k, _sample=s, _cap=512)
+    _check(x.to(dtype).to(DEV), k, _cap=512)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -216,8 +232,8 @@ def test_gpu_cuda_graph():
 def test_default_path_rule(monkeypatch):
     monkeypatch.delenv("SPARSEKV_TOPK", raising=False)
     assert default_path(False) == "fused" and default_path(False, 10**6) == "fused"  # the interpreter
-    assert default_path(True, 16384) == "fused" and default_path(True, 16385) == "radix"
-    assert default_path(True) == "radix" and "radix above" in describe_default(True)
+    assert default_path(True, 16384) == "fused" and default_path(True, 16385) == "fused"
+    assert default_path(True) == "fused" and describe_default(True) == "fused path (radix for k > 8192)"
     monkeypatch.setenv("SPARSEKV_TOPK", "radix")
     assert default_path(True, 100) == "radix" and describe_default(True) == "radix path"
 
