@@ -25,8 +25,9 @@ select, rebuilt around register-resident tiles):
    fallback fewer than k candidates (the sample was unlucky) or more than CAP (ties, constant rows, -inf
             padding, NaN-heavy rows): the same program runs the same search tile by tile from memory, over the
             candidate slices (or the row, if they are too few), shrinking the interval to the min and max of the
-            keys inside it after every pass (a constant row takes one pass), then writes in index order. Forced in
-            the tests with `_cap` (too many) and `_z` (too few).
+            keys inside it after every pass (a constant row takes one pass), then writes in index order. Over the
+            slices it starts at the bound (clamped to +-inf's keys) and each pass first counts the keys above lo,
+            so ties at the k-th value end it early. Forced in the tests with `_cap` (too many) and `_z` (too few).
 
 CAP = next_pow2(2k) (<= 16384, so k <= 8192; larger k takes the older multi-launch radix path, `_radix_topk`); on
 CUDA a row of at most 16384 scores gets CAP = next_pow2(n): every score is a candidate and step 1 is skipped.
