@@ -813,20 +813,19 @@ def rows_and_out(scores: torch.Tensor, k: int, out: torch.Tensor | None, name: s
     return x, out, out.view(x.shape[0], k)
 
 
-def default_path(cuda: bool, n: int | None = None) -> str:
-    """The path `topk` takes for rows of n scores when not told: $SPARSEKV_TOPK, else "fused" (which hands k > 8192
-    to the radix path itself; see topk's docstring). `cuda` and `n` are kept for callers that ask per device and
-    row length: the rule no longer depends on them."""
+def default_path() -> str:
+    """The path `topk` takes when not told: $SPARSEKV_TOPK, else "fused" (which hands k > 8192 to the radix path
+    itself; see topk's docstring), on every device and row length."""
     env = os.environ.get("SPARSEKV_TOPK")
     if env:
         return env
     return "fused"
 
 
-def describe_default(cuda: bool) -> str:
+def describe_default() -> str:
     """default_path's rule in words, for result files."""
     if os.environ.get("SPARSEKV_TOPK"):
-        return f"{default_path(cuda)} path"
+        return f"{default_path()} path"
     return "fused path (radix for k > 8192)"
 
 
@@ -859,7 +858,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     if rows == 0 or k == 0:
         return out
     plan = None
-    path = _path or default_path(scores.is_cuda, n)
+    path = _path or default_path()
     if path not in ("radix", "fused"):
         raise ValueError(f"topk: path must be 'radix' or 'fused', got {path!r}")
     if path == "fused":

@@ -170,7 +170,7 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim: our select kernels on the GPU (`kernels/topk.py`, exact,
-    ties to the lower index, no sort; the path by row length unless $SPARSEKV_TOPK says: `default_path`), torch.topk
+    ties to the lower index, no sort; the fused path unless $SPARSEKV_TOPK says: `default_path`), torch.topk
     elsewhere."""
     from .sparse_attention import use_kernels
 

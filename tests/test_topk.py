@@ -231,11 +231,9 @@ def test_gpu_cuda_graph():
 
 def test_default_path_rule(monkeypatch):
     monkeypatch.delenv("SPARSEKV_TOPK", raising=False)
-    assert default_path(False) == "fused" and default_path(False, 10**6) == "fused"  # the interpreter
-    assert default_path(True, 16384) == "fused" and default_path(True, 16385) == "fused"
-    assert default_path(True) == "fused" and describe_default(True) == "fused path (radix for k > 8192)"
+    assert default_path() == "fused" and describe_default() == "fused path (radix for k > 8192)"  # any device, length
     monkeypatch.setenv("SPARSEKV_TOPK", "radix")
-    assert default_path(True, 100) == "radix" and describe_default(True) == "radix path"
+    assert default_path() == "radix" and describe_default() == "radix path"
 
 
 def test_plan_tile_rule():

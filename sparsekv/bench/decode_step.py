@@ -109,7 +109,7 @@ def kernel_backends(device: torch.device) -> dict:
     try:
         from sparsekv.kernels.topk import describe_default
 
-        out["topk"] = f"{tag} ({describe_default(device.type == 'cuda')})"
+        out["topk"] = f"{tag} ({describe_default()})"
     except Exception as e:
         out["errors"]["topk"] = f"{type(e).__name__}: {e}"[:300]
     return out
