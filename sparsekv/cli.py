@@ -291,7 +291,9 @@ def eval_cmd(
                                                        "(default: the largest budget + 1)")] = None,
     sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
     window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
-    pooling: Annotated[str, typer.Option(help="GQA: 'group' (one choice per KV head) or 'head'")] = "group",
+    pooling: Annotated[Optional[str], typer.Option(help="GQA: 'group' (one choice per KV head) or 'head' (one per "
+                                                   "query head; default: the method's, 'head' for adamas as its "
+                                                   "authors' code, 'group' for the rest)")] = None,
     dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
     artifact: Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")] = None,
     hadamard: Annotated[Optional[bool], typer.Option("--hadamard/--no-hadamard",
@@ -508,6 +510,8 @@ def calibrate(
     distance: Annotated[str, typer.Option(help="code distance: l1 (the paper) or l2")] = "l1",
     budget: Annotated[int, typer.Option(help="keys per query whose exact top-k recall is maximised")] = 64,
     queries: Annotated[int, typer.Option(help="query positions used per layer (seeded sample)")] = 256,
+    query_scales: Annotated[str, typer.Option(help="queries are coded with the thresholds divided by the best of "
+                                              "these (fitted per set; 1 = the paper's one shared set)")] = "1,2,4,8",
     holdout: Annotated[float, typer.Option(help="share of them held out for the before/after report")] = 0.25,
     seed: Annotated[int, typer.Option()] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the report here")] = None,
@@ -525,18 +529,25 @@ def calibrate(
     lm = _load(model, device, dtype) if model is not None else None
     data = load_activations(acts, lm)
     opts = dict(per=per, bits=bits, hadamard=hadamard, distance=distance, budget=budget)
+    scales = _csv(query_scales, float, "query-scales")
     with _progress() as progress:
-        thresholds, report = calibrate_adamas(data, **opts, holdout=holdout, seed=seed, max_queries=queries,
-                                              progress=progress)
-    path = save_calibration(out, data, thresholds, report, **opts, holdout=holdout, seed=seed)
+        thresholds, q_thresholds, report = calibrate_adamas(data, **opts, holdout=holdout, seed=seed,
+                                                            max_queries=queries, query_scales=scales,
+                                                            progress=progress)
+    path = save_calibration(out, data, thresholds, report, **opts, holdout=holdout, seed=seed,
+                            query_thresholds=q_thresholds)
     t = Table(title=f"adamas recall of the exact top-{budget} on held-out queries ({report['queries_heldout']} per "
-                    f"KV head): paper thresholds {report['fixed_thresholds']} vs fitted ({per})")
-    for col in ("layer", "paper", "fitted", "gain", "fit set: paper", "fit set: fitted"):
+                    f"KV head): paper thresholds {report['fixed_thresholds']} vs fitted ({per}; query scales "
+                    f"{', '.join(f'{x:g}' for x in report['search']['query_scales'])})")
+    shared = "after_shared" in report["mean"]
+    for col in ("layer", "paper", "fitted", "gain", *(("fitted, shared",) if shared else ()), "fit set: paper",
+                "fit set: fitted"):
         t.add_column(col, justify="right")
     rows = [(str(x["layer"]), x) for x in report["layers"]] + [("mean", report["mean"])]
     for name, x in rows:
         t.add_row(name, f"{x['before']:.3f}", f"{x['after']:.3f}", f"{x['after'] - x['before']:+.3f}",
-                  f"{x['fit_before']:.3f}", f"{x['fit_after']:.3f}", end_section=name == rows[-2][0])
+                  *((f"{x['after_shared']:.3f}",) if shared else ()), f"{x['fit_before']:.3f}",
+                  f"{x['fit_after']:.3f}", end_section=name == rows[-2][0])
     console.print(t)
     _write_json(json_out, {"artifact": str(path), **report})
     console.print(f"wrote artifact {path}")
@@ -555,7 +566,9 @@ def bench(
                                         "or fraction(s) of the context, comma-separated")] = "2048",
     sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
     window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
-    pooling: Annotated[str, typer.Option(help="GQA: 'group' (one choice per KV head) or 'head'")] = "group",
+    pooling: Annotated[Optional[str], typer.Option(help="GQA: 'group' (one choice per KV head) or 'head' (one per "
+                                                   "query head; default: the method's, 'head' for adamas as its "
+                                                   "authors' code, 'group' for the rest)")] = None,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,

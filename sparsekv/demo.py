@@ -80,9 +80,9 @@ def demo_artifact(lm: LoadedModel, budget: int, progress: Any = None) -> tuple[P
         dump = dump_activations(lm, ids, Path(tmp) / "dump", seq_len=DEMO_SEQ, queries_per_seq=DEMO_QUERIES,
                                 source=source, progress=progress)
         acts = load_activations(dump, lm)
-        thresholds, report = calibrate_adamas(acts, budget=budget, max_queries=4 * DEMO_QUERIES, sweeps=2,
-                                              progress=progress)
+        thresholds, q_thresholds, report = calibrate_adamas(acts, budget=budget, max_queries=4 * DEMO_QUERIES,
+                                                            sweeps=2, query_scales=(1.0, 4.0), progress=progress)
         path = save_calibration(root, acts, thresholds, report, per="head", bits=2, hadamard=True, distance="l1",
-                                budget=budget)
+                                budget=budget, query_thresholds=q_thresholds)
     return path, {**report, "source": source, "tokens": len(ids)}
 

@@ -65,24 +65,25 @@ def hand_built(hadamard=True, rotate=True, **options):
 
 
 def test_hand_built_codes_and_selection():
-    m, st, sel = hand_built()
+    m, st, sel = hand_built(pooling="group")
     assert torch.equal(st.codes[0, 0, :8], adamas_pack_reference(torch.tensor(K_CODES), bits=2))
     q_words = adamas_pack_reference(torch.tensor(Q_CODES), bits=2).view(1, 2, -1)
     assert adamas_distance_reference(q_words, st.codes[:, :, :8], 8).tolist() == [DIST]
     assert (sel.sink, sel.window, sel.length) == (0, 1, 8)
     assert sorted(sel.indices[0, 0].tolist()) == [0, 2, 4]
-    _, _, per_head = hand_built(pooling="head")
+    m, _, per_head = hand_built()  # the default: per query head, as the authors' code
+    assert m.pooling == "head" and m.config()["pooling"] == "head"
     assert [sorted(r) for r in per_head.indices[0].tolist()] == [[0, 4, 6], [0, 2, 5]]
 
 
 def test_hand_built_without_transform_and_transform_matters():
-    _, _, raw = hand_built(hadamard=False, rotate=False)  # codes of the raw values: the same example
+    _, _, raw = hand_built(hadamard=False, rotate=False, pooling="group")  # codes of the raw values: same example
     assert sorted(raw.indices[0, 0].tolist()) == [0, 2, 4]
     _, st, _ = hand_built(hadamard=True, rotate=False)  # the transform must be applied to the keys
     assert not torch.equal(st.codes[0, 0, :8], adamas_pack_reference(torch.tensor(K_CODES), bits=2))
 
 
-@pytest.mark.parametrize("opts", [{}, {"pooling": "head"}, {"hadamard": False, "rotate": False}])
+@pytest.mark.parametrize("opts", [{}, {"pooling": "group"}, {"hadamard": False, "rotate": False}])
 @interpreter_only
 def test_kernel_path_selects_the_same(monkeypatch, opts):
     """The Triton kernels (interpreted on the CPU) give the reference's codes and choices."""
@@ -141,7 +142,7 @@ def test_infinite_thresholds(tiny, prompt_ids, thr, code):
     runs = [generate(tiny, prompt_ids, get_method("adamas", budget=16, thresholds=thr), 5, stop_on_eos=False)
             for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
-    m = get_method("adamas", budget=16, thresholds=thr)
+    m = get_method("adamas", budget=16, thresholds=thr, pooling="group")  # one choice per KV head
     st = m.new_state(0, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
     k = torch.randn(1, 2, 50, 20, generator=torch.Generator().manual_seed(0))
     m.append(st, k, k, None, 0)
@@ -153,7 +154,7 @@ def test_infinite_thresholds(tiny, prompt_ids, thr, code):
     if code is not None:  # every value lands in the same bucket
         assert torch.equal(st.codes[:, :, :50], adamas_pack_reference(torch.full((1, 2, 50, 20), code), bits=2))
     else:  # codes 1 + [x > 0]: the same distances, so the same choice, as 1-bit codes at 0
-        one = get_method("adamas", budget=16, bits=1)
+        one = get_method("adamas", budget=16, bits=1, pooling="group")
         st1 = one.new_state(0, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
         one.append(st1, k, k, None, 0)
         st1.length = 50
@@ -176,10 +177,11 @@ def dump(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fitted(dump, tmp_path_factory):
-    thr, report = calibrate_adamas(dump, budget=16)
+    thr, q_thr, report = calibrate_adamas(dump, budget=16)
     root = tmp_path_factory.mktemp("artifacts")
-    path = save_calibration(root, dump, thr, report, per="head", bits=2, hadamard=True, distance="l1", budget=16)
-    return thr, report, path
+    path = save_calibration(root, dump, thr, report, per="head", bits=2, hadamard=True, distance="l1", budget=16,
+                            query_thresholds=q_thr)
+    return thr, q_thr, report, path
 
 
 def test_objective_distances_equal_the_reference():
@@ -212,7 +214,7 @@ def test_expected_recall_counts_ties_by_chance():
 
 
 def test_fit_improves_recall(fitted, dump):
-    thr, report, _ = fitted
+    thr, _, report, _ = fitted
     assert thr.shape == (dump.num_layers, dump.kv_heads, 3)
     assert (thr[..., 1:] >= thr[..., :-1]).all()
     for layer in report["layers"]:
@@ -224,14 +226,63 @@ def test_fit_improves_recall(fitted, dump):
     assert report["queries_heldout"] > 0 and report["budget"] == 16
 
 
+def test_query_scale_is_chosen_on_the_fit_set(fitted, dump):
+    """Queries' thresholds are the keys' / the chosen scale, and the choice never fits worse than one shared set."""
+    thr, q_thr, report, _ = fitted
+    assert report["search"]["query_scales"] == [1.0, 2.0, 4.0, 8.0]
+    scale = torch.tensor([[h["query_scale"] for h in layer["heads"]] for layer in report["layers"]])
+    assert torch.equal(q_thr, thr / scale.unsqueeze(-1))
+    thr1, q_thr1, shared = calibrate_adamas(dump, budget=16, query_scales=(1,))
+    assert torch.equal(q_thr1, thr1) and "after_shared" in shared["mean"]
+    for layer, layer1 in zip(report["layers"], shared["layers"]):
+        for head, head1 in zip(layer["heads"], layer1["heads"]):
+            assert head["fit_after"] >= head1["fit_after"]
+            assert head["after_shared"] == head1["after"]  # the scale-1 fit is the shared one
+    with pytest.raises(SparseKVError, match="query-scales"):
+        calibrate_adamas(dump, budget=16, query_scales=(0, 2))
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=interpreter_only)])
+def test_query_thresholds_code_the_query(dump, tiny, tmp_path, monkeypatch, kernels):
+    """Queries' thresholds B / 4 pick what shared thresholds B pick for 4q (the transform is linear); an artifact
+    with one set (older ones) uses it for both."""
+    from sparsekv.artifacts import save_artifact
+
+    thr = torch.tensor([-0.5, 0.0, 0.5]).expand(dump.num_layers, dump.kv_heads, 3).contiguous()
+    paths = [save_calibration(tmp_path / "a", dump, thr, {}, per="head", bits=2, hadamard=True, distance="l1",
+                              budget=16, query_thresholds=thr / 4),
+             save_artifact(tmp_path / "b", method="adamas", model_fingerprint=dump.manifest["model"],
+                           config={"bits": 2, "hadamard": True, "distance": "l1"},
+                           tensors={"thresholds": {"thresholds": thr}})]
+    if kernels:
+        monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    g = torch.Generator().manual_seed(3)
+    k, q = torch.randn(1, 2, 60, 20, generator=g), torch.randn(1, 6, 1, 20, generator=g)
+    picks = []
+    for path, query in zip(paths, (q, 4 * q)):
+        m = get_method("adamas", budget=16, artifact=path)
+        m.bind(tiny)
+        st = m.new_state(1, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
+        m.append(st, k, k, None, 0)
+        st.length = 60
+        picks.append(m.select(st, query, None).indices)
+    assert torch.equal(st.q_thresholds, st.thresholds)  # one set: the keys'
+    assert torch.equal(picks[0], picks[1])
+    assert get_method("adamas", budget=16, artifact=paths[0]).config()["thresholds"].endswith("queries' apart)")
+    with pytest.raises(SparseKVError, match="query thresholds of shape"):
+        save_calibration(tmp_path / "c", dump, thr, {}, per="head", bits=2, hadamard=True, distance="l1",
+                         budget=16, query_thresholds=thr[:1])
+
+
 def test_artifact_then_eval_passkey(fitted, tiny):
-    thr, _, path = fitted
+    thr, q_thr, _, path = fitted
     res = run_task(tiny, "passkey", RunSpec("adamas", 16, {"artifact": str(path)}), 300, 2)
     assert res["artifact"] == str(path)
     assert res["method_config"]["thresholds"].startswith("artifact") and res["selectivity"] < 0.2
     m = get_method("adamas", budget=16, artifact=path)
     m.bind(tiny)
     assert torch.equal(m.layer_thresholds(1, 2), thr[1])
+    assert torch.equal(m.layer_thresholds(1, 2, queries=True), q_thr[1])
     with pytest.raises(SparseKVError, match="bits=2"):
         get_method("adamas", budget=16, artifact=path, bits=3)
     with pytest.raises(SparseKVError, match="not both"):
@@ -239,7 +290,7 @@ def test_artifact_then_eval_passkey(fitted, tiny):
 
 
 def test_artifact_needs_bind_and_refuses_another_model(fitted, prompt_ids):
-    _, _, path = fitted
+    *_, path = fitted
     m = get_method("adamas", budget=16, artifact=path)
     with pytest.raises(SparseKVError, match="bind"):
         m.new_state(0, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
@@ -251,12 +302,12 @@ def test_artifact_needs_bind_and_refuses_another_model(fitted, prompt_ids):
                                   {"per": "layer"}, {"per": "global"}])
 def test_ablations_calibrate_and_run(dump, tiny, prompt_ids, tmp_path, opts):
     cal = {"per": "head", "bits": 2, "hadamard": True, "distance": "l1", **opts}
-    thr, report = calibrate_adamas(dump, budget=16, sweeps=1, **cal)
+    thr, q_thr, report = calibrate_adamas(dump, budget=16, sweeps=1, **cal)
     assert thr.shape == (dump.num_layers, dump.kv_heads, 2 ** cal["bits"] - 1)
     assert report["mean"]["fit_after"] >= report["mean"]["fit_before"]
     if cal["per"] != "head":  # one set shared by every head of a layer (or of the model)
         assert torch.equal(thr[0, 0], thr[0, 1]) and (cal["per"] == "layer" or torch.equal(thr[0, 0], thr[1, 0]))
-    path = save_calibration(tmp_path, dump, thr, report, budget=16, **cal)
+    path = save_calibration(tmp_path, dump, thr, report, budget=16, query_thresholds=q_thr, **cal)
     m = get_method("adamas", budget=16, artifact=path)
     assert {k: m.config()[k] for k in ("bits", "hadamard", "distance")} == \
         {k: cal[k] for k in ("bits", "hadamard", "distance")}

@@ -122,9 +122,9 @@ def test_result_shape_and_bounds(grid, dump):
 
 
 def test_adamas_artifact_binds_without_a_model(dump, tiny, tmp_path):
-    thr, report = calibrate_adamas(dump, budget=BUDGET, sweeps=1, max_queries=16)
+    thr, q_thr, report = calibrate_adamas(dump, budget=BUDGET, sweeps=1, max_queries=16)
     path = save_calibration(tmp_path, dump, thr, report, per="head", bits=2, hadamard=True, distance="l1",
-                            budget=BUDGET)
+                            budget=BUDGET, query_thresholds=q_thr)
     spec = RunSpec("adamas", BUDGET, {"artifact": str(path)})
     a = recall_grid(dump, [spec], max_queries=10)[0]
     b = recall_grid(dump, [spec], lm=tiny, max_queries=10)[0]

@@ -33,7 +33,7 @@ PROTOCOL = ("one decode step of one layer on random K/V (torch.randn): write the
 def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget: float | Iterable[float],
               batch: int = 1, dtype: str | torch.dtype = "bf16", device: str = "auto",
               sweep: bool | Iterable[int] | None = None, *, sink: int | None = None, window: int | None = None,
-              pooling: str = "group", require_gpu: bool = False, topk: bool = True, seed: int = 0,
+              pooling: str | None = None, require_gpu: bool = False, topk: bool = True, seed: int = 0,
               progress: Callable[[str], None] | None = None) -> dict:
     """Time one decode step of one layer for each method; see PROTOCOL. `methods`: registry names, plus `dense`
     (= the two dense baselines `sdpa` and `flashdecode`, which may also be named alone). `budget`: token count(s)

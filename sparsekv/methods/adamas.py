@@ -12,12 +12,16 @@ Defaults and where they come from:
   evaluation/adamas_attention.py), applied to the orthonormal Hadamard transform (HadaCore, scale 1/sqrt(d)) of the
   post-RoPE q/k. The paper's 1-/3-bit ablations give no thresholds: we use (0,) and (-15, -10, ..., 15), which
   contain the 2-bit ones, so more bits only refine the codes. `sparsekv calibrate` fits per-(layer, KV head)
-  thresholds to a model instead (`artifact=`).
+  thresholds to a model instead (`artifact=`), and by default a coarser set for the queries (the keys' divided by a
+  fitted scale: sparsekv/calibrate.py, "Query scale"); the paper uses one set for both.
 - sink 0, window 1: the authors' decode kernel (page size 1) always attends the last page, i.e. the newest token,
   and picks the other budget - 1 keys by distance; there is no attention sink. The budget counts all of them.
 - The authors keep layers 0 and 1 dense (`skip_layer = 2`); here that is the runtime's `--dense-layers 0,1`.
-GQA: the query heads of a group use their KV head's thresholds; pooling "group" sums their negated distances and
-makes one choice per KV head, "head" chooses per query head (what the authors' repeat_kv implementation does).
+GQA: the query heads of a group use their KV head's thresholds. Pooling "head", the default, chooses per query head,
+as the authors' repeat_kv implementation does (and as `sparsekv calibrate` fits: each query head's own top-k); "group"
+sums the group's negated distances and makes one choice per KV head, which reads fewer keys but ranks worse: on
+SmolLM2 (RULER NIAH, H100, budget 64 / 128) 13.1 / 20.6 at 4K and 8.3 / 8.3 at 8K against 18.1 / 31.9 and 20.8 / 26.0
+per head (results/eval-smollm2.md).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ DISTANCES = ("l1", "l2")
 @dataclass
 class AdamasState(LayerState):
     codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, W]: packed codes of every key, valid up to length
-    thresholds: torch.Tensor | None = None  # fp32 [Hkv, 2^bits - 1]: this layer's B1..B3 per KV head (and group)
+    thresholds: torch.Tensor | None = None  # fp32 [Hkv, 2^bits - 1]: this layer's B1..B3 per KV head, for keys
+    q_thresholds: torch.Tensor | None = None  # the same for its group's queries (the keys' unless calibrated apart)
 
 
 @register
@@ -53,9 +58,10 @@ class Adamas(Method):
     summary = "Hadamard + 2-bit codes, L1 distance -> top-k tokens (Adamas)"
     default_sink = 0
     default_window = 1
+    default_pooling = "head"  # the authors' repeat_kv: every query head picks its own keys (docstring, GQA)
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str = "group", artifact: str | Path | None = None,
+                 pooling: str | None = None, artifact: str | Path | None = None,
                  thresholds: Sequence[float] | torch.Tensor | None = None, hadamard: bool | None = None,
                  bits: int | None = None, distance: str | None = None, **options: Any):
         """`hadamard`, `bits`, `distance` left as None take the artifact's settings, else the paper's
@@ -64,12 +70,14 @@ class Adamas(Method):
         if artifact is not None and thresholds is not None:
             raise SparseKVError("adamas: give an artifact or explicit thresholds, not both")
         self.artifact = None if artifact is None else str(artifact)
-        self._table: torch.Tensor | None = None  # [layers, Hkv, 2^bits - 1] from the artifact
+        self._table: torch.Tensor | None = None  # [layers, Hkv, 2^bits - 1] from the artifact: keys'
+        self._q_table: torch.Tensor | None = None  # and queries' (older artifacts have one set: the keys')
         fitted: dict = {}
         if self.artifact is not None:  # read now, so a bad path fails before a model is loaded
             art = load_artifact(self.artifact, method=self.name)
             fitted = art.config
             self._table = art.tensors.get("thresholds", {}).get("thresholds")
+            self._q_table = art.tensors.get("thresholds", {}).get("query_thresholds", self._table)
             if self._table is None:
                 raise SparseKVError(f"adamas: the artifact at {self.artifact} holds no thresholds (not a calibration)")
         for key, given in (("hadamard", hadamard), ("bits", bits)):
@@ -85,10 +93,12 @@ class Adamas(Method):
             raise SparseKVError(f"adamas: unknown distance {self.distance!r}: use 'l1' or 'l2'")
         n = 2**self.bits - 1
         if self._table is not None:
-            if self._table.ndim != 3 or self._table.shape[-1] != n:
-                raise SparseKVError(f"adamas: the artifact at {self.artifact} holds thresholds of shape "
-                                    f"{list(self._table.shape)}, expected [layers, kv_heads, {n}]")
+            for what, t in (("thresholds", self._table), ("query thresholds", self._q_table)):
+                if t.ndim != 3 or t.shape[-1] != n or t.shape != self._table.shape:
+                    raise SparseKVError(f"adamas: the artifact at {self.artifact} holds {what} of shape "
+                                        f"{list(t.shape)}, expected [layers, kv_heads, {n}] for both")
             self._table = check_thresholds(self._table.float(), n, f"the artifact at {self.artifact}")
+            self._q_table = check_thresholds(self._q_table.float(), n, f"the artifact at {self.artifact} (queries)")
             self.thresholds = None
         else:
             given = FIXED_THRESHOLDS[self.bits] if thresholds is None else thresholds
@@ -109,10 +119,11 @@ class Adamas(Method):
         if self.hadamard:
             hadamard_for(shape.head_dim, shape.device)  # fail on the first layer, naming the dim
         thr = self.layer_thresholds(layer, shape.kv_heads).to(shape.device)
+        q_thr = self.layer_thresholds(layer, shape.kv_heads, queries=True).to(shape.device)
         words = adamas_pack_reference(torch.zeros(1, shape.head_dim, dtype=torch.uint8), self.bits).shape[-1]
         codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
                             device=shape.device)
-        return AdamasState(codes=codes, thresholds=thr.contiguous())
+        return AdamasState(codes=codes, thresholds=thr.contiguous(), q_thresholds=q_thr.contiguous())
 
     def append(self, state: AdamasState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
         """Lines 1-4 for keys [B, Hkv, n, D] at positions [pos, pos + n): their codes go into the cache."""
@@ -124,7 +135,8 @@ class Adamas(Method):
             state.codes[:, :, pos : pos + k.shape[2]] = self.encode(k, state.thresholds)
 
     def select(self, state: AdamasState, q: torch.Tensor, q_pre_rope) -> Selection:
-        """Lines 1-3 for the query (its group's thresholds), line 5 against keys [sink, length - window), top-k."""
+        """Lines 1-3 for the query (its group's query thresholds), line 5 against keys [sink, length - window),
+        top-k."""
         split = self.split(state.length)
         if split.dense:
             return Selection(state.length, dense=True)
@@ -133,14 +145,14 @@ class Adamas(Method):
         if use_kernels(q.device):
             from sparsekv.kernels.adamas import code_scores, quantize_pack
 
-            q_words = quantize_pack(q, state.thresholds, bits=self.bits, transform=self.hadamard)
+            q_words = quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard)
             sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split, state.length)
             if sel is not None:  # distances and their top-k by counting
                 return sel
             scores = code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
                                  pool="sum" if self.pooling == "group" else None)  # -distance, pooled in-kernel
         else:
-            q_words = self.encode(q, state.thresholds)[:, :, 0]
+            q_words = self.encode(q, state.q_thresholds)[:, :, 0]
             dist = adamas_distance_reference(q_words, state.codes[:, :, lo:hi], D, bits=self.bits,
                                              metric=self.distance)
             scores = pool_scores(-dist.float(), state.codes.shape[1], self.pooling)  # closer codes score higher
@@ -155,8 +167,9 @@ class Adamas(Method):
             x = x @ hadamard_for(x.shape[-1], x.device)
         return adamas_pack_reference(adamas_bucketize_reference(x, thresholds, bits=self.bits), bits=self.bits)
 
-    def layer_thresholds(self, layer: int, kv_heads: int) -> torch.Tensor:
-        """[kv_heads, 2^bits - 1]: the artifact's for this layer, else the fixed ones for every head."""
+    def layer_thresholds(self, layer: int, kv_heads: int, queries: bool = False) -> torch.Tensor:
+        """[kv_heads, 2^bits - 1]: the artifact's for this layer (the keys', or with `queries` the queries'), else
+        the fixed ones for every head."""
         if self._table is None:
             return self.thresholds.expand(kv_heads, -1).clone()
         if self._bound is None:
@@ -166,13 +179,18 @@ class Adamas(Method):
         if not 0 <= layer < L or H != kv_heads:
             raise SparseKVError(f"adamas: the artifact at {self.artifact} has thresholds for {L} layers x {H} KV "
                                 f"heads; layer {layer} with {kv_heads} KV heads asked")
-        return self._table[layer].clone()
+        return (self._q_table if queries else self._table)[layer].clone()
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
+        if self._table is None:
+            thresholds = self.thresholds.tolist()
+        elif torch.equal(self._q_table, self._table):
+            thresholds = "artifact (per layer and KV head)"
+        else:
+            thresholds = "artifact (per layer and KV head; the queries' apart)"
         cfg.update(hadamard=self.hadamard, bits=self.bits, distance=self.distance, artifact=self.artifact,
-                   thresholds="artifact (per layer and KV head)" if self._table is not None
-                   else self.thresholds.tolist())
+                   thresholds=thresholds)
         return cfg
 
 

@@ -45,15 +45,17 @@ class Method:
     summary: ClassVar[str] = ""
     default_sink: ClassVar[int] = 0
     default_window: ClassVar[int] = 0
+    default_pooling: ClassVar[str] = "group"  # GQA: one choice per KV head ("group") or per query head ("head")
     needs_pre_rope: ClassVar[bool] = False  # the cache un-rotates keys/queries only for methods that ask
     needs_artifact: ClassVar[bool] = False
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str = "group", **options: Any):
+                 pooling: str | None = None, **options: Any):
         if options:
             raise SparseKVError(f"method {self.name!r} has no option(s) {', '.join(sorted(options))}")
         if budget <= 0:
             raise SparseKVError(f"budget must be positive, got {budget}")
+        pooling = self.default_pooling if pooling is None else pooling
         if pooling not in ("group", "head"):
             raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
         self.budget = budget

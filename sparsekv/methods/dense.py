@@ -10,7 +10,7 @@ class Dense(Method):
     summary = "exact attention over the whole cache"
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str = "group", **options):
+                 pooling: str | None = None, **options):
         # dense ignores the budget: it always reads everything
         super().__init__(budget=1.0, sink=0, window=0, pooling=pooling, **options)
 

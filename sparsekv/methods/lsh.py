@@ -62,7 +62,7 @@ class LSH(Method):
     default_window = 0
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str = "group", nbits: int = 128, seed: int = 0, projection: str = "rotation",
+                 pooling: str | None = None, nbits: int = 128, seed: int = 0, projection: str = "rotation",
                  **options: Any):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.nbits, self.seed, self.projection = int(nbits), int(seed), str(projection)

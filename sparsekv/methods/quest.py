@@ -68,7 +68,7 @@ class Quest(Method):
     default_sink = 0
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str = "group", page_size: int = 16, **options: Any):
+                 pooling: str | None = None, page_size: int = 16, **options: Any):
         """`window` None (default) is Quest's: the last, partially filled page."""
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.auto_window = window is None

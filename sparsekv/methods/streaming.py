@@ -15,7 +15,7 @@ class Streaming(Method):
     default_sink = 4
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str = "group", **options):
+                 pooling: str | None = None, **options):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.auto_window = window is None  # the window fills whatever the sink leaves of the budget
 
