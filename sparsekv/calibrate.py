@@ -19,13 +19,14 @@ until a sweep changes nothing. The paper's thresholds are a start, so the fitted
 never below theirs. Held-out queries (`holdout`) give the before/after numbers that the report leads with.
 
 Query scale (our extension; `query_scales`, default 1, 2, 4, 8): the query is bucketized with thresholds B / s, i.e.
-its codes are those of s·q under the keys' B. Queries are larger than keys on the models we measured, and a coarser
-query code ranks better: with every query code at 0 or 3 the L1 distance is Σ_d |3·[q_d > 0] - code_k,d|, which falls
-as the key's codes move toward the query's side, a 1-bit-query / 2-bit-key estimate of q·k, while equal scales reward
-keys whose magnitudes match the query's. Thresholds are fitted at each s and the s with the best recall on the
-calibration queries is kept (s = 1 is the shared-threshold fit, so the choice never fits worse than it). SmolLM2-135M,
-8192 jargon tokens, top-64 recall on held-out queries (mean of 30 layers x 3 KV heads): paper thresholds 0.376, one
-fitted set 0.484, fitted query scale 0.522 (s = 8 for 45 heads, 4 for 38;
+its codes are those of s·q under the keys' B. A coarser query code ranks better: with every query code in an outer
+bucket (0 or 3) the L1 distance is the sum of 3 - code_k over the query's 3s plus code_k over its 0s, which falls
+linearly as each key code moves toward the query's side (a 1-bit-query / 2-bit-key estimate of q·k), while equal
+scales reward keys whose magnitudes match the query's (a key code above a middle query code counts against it).
+Thresholds are fitted at each s and the s with the best recall on the calibration queries is kept (s = 1 is the
+shared-threshold fit, so the choice never fits worse than it; each s costs one fit). SmolLM2-135M, 8192 jargon
+tokens, top-64 recall on held-out queries (mean of 30 layers x 3 KV heads): paper thresholds 0.376, one fitted set
+0.484, fitted query scale 0.522 (s = 8 for 45 heads, 4 for 38; 105 s on 2 CPU cores;
 `results/calibrate-adamas-query-scale-smollm2-jargon8k-cpu.json`). On RULER NIAH at 4K (budget 64 / 128) that took
 Adamas from 21.2 / 34.4 to 33.8 / 46.2 against dense 50.0 (`results/adamas-query-scale-smollm2-h100.json`).
 

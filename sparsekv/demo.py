@@ -71,9 +71,9 @@ def demo_artifact(lm: LoadedModel, budget: int, progress: Any = None) -> tuple[P
     try:
         path = resolve(root, lm.fingerprint()["name"], "adamas")
         art = load_artifact(path, method="adamas", model_fingerprint=lm.fingerprint())
-        if art.manifest["config"].get("budget") == budget:
+        if art.manifest["config"].get("budget") == budget and "query_thresholds" in art.tensors.get("thresholds", {}):
             return path, None
-    except ArtifactError:  # none yet, another model's, another budget or damaged: make a fresh one
+    except ArtifactError:  # none yet, another model's, another budget, older (one set) or damaged: make a fresh one
         pass
     ids, source = calibration_tokens(lm)
     with tempfile.TemporaryDirectory(prefix="sparsekv-demo-") as tmp:

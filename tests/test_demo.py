@@ -21,6 +21,25 @@ def test_demo_artifact_is_made_once_then_reused(tiny, tmp_path, monkeypatch):
     assert again == path and report2 is None  # reused, not recalibrated
     other, report3 = demo.demo_artifact(tiny, budget=32)  # another budget: a new version
     assert other != path and report3 is not None
+    assert "query_thresholds" in load_artifact(other, method="adamas").tensors["thresholds"]
+
+
+def test_demo_refits_an_artifact_without_query_thresholds(tiny, tmp_path, monkeypatch):
+    """Artifacts from before query thresholds (one set) are not reused: the demo fits a new version."""
+    import torch
+
+    from sparsekv.artifacts import save_artifact
+
+    monkeypatch.setenv("SPARSEKV_HOME", str(tmp_path))
+    monkeypatch.setattr(demo, "JARGON", tmp_path / "no-jargon.txt.gz")
+    monkeypatch.setattr(demo, "DEMO_TOKENS", 1024)
+    monkeypatch.setattr(demo, "DEMO_SEQ", 512)
+    monkeypatch.setattr(demo, "DEMO_QUERIES", 16)
+    fp = tiny.fingerprint()
+    old = save_artifact(demo.artifact_root(), method="adamas", model_fingerprint=fp, config={"budget": 16, "bits": 2},
+                        tensors={"thresholds": {"thresholds": torch.zeros(fp["num_layers"], fp["kv_heads"], 3)}})
+    path, report = demo.demo_artifact(tiny, budget=16)
+    assert path != old and report is not None
 
 
 def test_stdlib_text_is_natural_and_deterministic():
