@@ -125,16 +125,17 @@ def calibrate_adamas(acts: Activations, *, per: str = "head", bits: int = 2, had
             fit_s, held_s = _scaled(fit, s), _scaled(held, s)
             score = _Objective(bits, distance)  # a fresh cache per fit: its matrices belong to these problems
             thr = _fit(fit_s, score, fixed, sweeps)
-            fit_recall = score(fit_s, thr)
+            fit_r = [score.recall(pf, thr) for pf in fit_s]
+            held_r = [score.recall(ph, thr) for ph in held_s]
             if s == 1.0:
-                for ph in held_s:
-                    recalls["after_shared"][ph.layer, ph.head] = score.recall(ph, thr)
-            if best is None or fit_recall > best[0]:  # ties keep the smaller scale
-                best = (fit_recall, s, thr, [(score.recall(pf, thr), score.recall(ph, thr))
-                                             for pf, ph in zip(fit_s, held_s)])
-        _, s, thr, after = best
+                for ph, r in zip(held, held_r):
+                    recalls["after_shared"][ph.layer, ph.head] = r
+            mean = sum(fit_r) / len(fit_r)  # the objective on the fit set, as _fit scores it
+            if best is None or mean > best[0]:  # ties keep the smaller scale
+                best = (mean, s, thr, fit_r, held_r)
+        _, s, thr, fit_r, held_r = best
         score = _Objective(bits, distance)
-        for pf, ph, (fit_after, held_after) in zip(fit, held, after):
+        for pf, ph, fit_after, held_after in zip(fit, held, fit_r, held_r):
             table[pf.layer, pf.head], query_table[pf.layer, pf.head], chosen[pf.layer, pf.head] = thr, thr / s, s
             for key, value in (("fit_before", score.recall(pf, fixed)), ("fit_after", fit_after),
                                ("before", score.recall(ph, fixed)), ("after", held_after)):

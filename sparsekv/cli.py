@@ -32,6 +32,9 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="smollm2-135m (defa
                                        "tiny-random, a .gguf file, a local HF folder or a hub id")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto (cuda when present)")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16")]
+PoolingOpt = Annotated[Optional[str], typer.Option(help="GQA: 'group' (one choice per KV head) or 'head' (one per "
+                                                   "query head; default: the method's, 'head' for adamas as its "
+                                                   "authors' code, 'group' for the rest)")]
 
 
 def _device(device: str) -> str:
@@ -291,9 +294,7 @@ def eval_cmd(
                                                        "(default: the largest budget + 1)")] = None,
     sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
     window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
-    pooling: Annotated[Optional[str], typer.Option(help="GQA: 'group' (one choice per KV head) or 'head' (one per "
-                                                   "query head; default: the method's, 'head' for adamas as its "
-                                                   "authors' code, 'group' for the rest)")] = None,
+    pooling: PoolingOpt = None,
     dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
     artifact: Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")] = None,
     hadamard: Annotated[Optional[bool], typer.Option("--hadamard/--no-hadamard",
@@ -566,9 +567,7 @@ def bench(
                                         "or fraction(s) of the context, comma-separated")] = "2048",
     sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
     window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
-    pooling: Annotated[Optional[str], typer.Option(help="GQA: 'group' (one choice per KV head) or 'head' (one per "
-                                                   "query head; default: the method's, 'head' for adamas as its "
-                                                   "authors' code, 'group' for the rest)")] = None,
+    pooling: PoolingOpt = None,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,

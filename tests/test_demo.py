@@ -1,17 +1,23 @@
 """The demo's offline stage: calibrate once on text every machine has, then reuse the artifact."""
 
 import pytest
+import torch
 
 from sparsekv import demo
-from sparsekv.artifacts import load_artifact
+from sparsekv.artifacts import load_artifact, save_artifact
 
 
-def test_demo_artifact_is_made_once_then_reused(tiny, tmp_path, monkeypatch):
+@pytest.fixture
+def small_demo(tmp_path, monkeypatch):
+    """The demo's offline stage at test size, its artifacts under tmp_path, on a machine without jargon-text."""
     monkeypatch.setenv("SPARSEKV_HOME", str(tmp_path))
     monkeypatch.setattr(demo, "JARGON", tmp_path / "no-jargon.txt.gz")  # a machine without jargon-text
     monkeypatch.setattr(demo, "DEMO_TOKENS", 1024)
     monkeypatch.setattr(demo, "DEMO_SEQ", 512)
     monkeypatch.setattr(demo, "DEMO_QUERIES", 16)
+
+
+def test_demo_artifact_is_made_once_then_reused(tiny, tmp_path, small_demo):
     path, report = demo.demo_artifact(tiny, budget=16)
     assert report is not None and report["source"] == "docstrings of Python's standard library"
     assert report["tokens"] == 1024 and 0 <= report["mean"]["after"] <= 1
@@ -24,17 +30,8 @@ def test_demo_artifact_is_made_once_then_reused(tiny, tmp_path, monkeypatch):
     assert "query_thresholds" in load_artifact(other, method="adamas").tensors["thresholds"]
 
 
-def test_demo_refits_an_artifact_without_query_thresholds(tiny, tmp_path, monkeypatch):
+def test_demo_refits_an_artifact_without_query_thresholds(tiny, small_demo):
     """Artifacts from before query thresholds (one set) are not reused: the demo fits a new version."""
-    import torch
-
-    from sparsekv.artifacts import save_artifact
-
-    monkeypatch.setenv("SPARSEKV_HOME", str(tmp_path))
-    monkeypatch.setattr(demo, "JARGON", tmp_path / "no-jargon.txt.gz")
-    monkeypatch.setattr(demo, "DEMO_TOKENS", 1024)
-    monkeypatch.setattr(demo, "DEMO_SEQ", 512)
-    monkeypatch.setattr(demo, "DEMO_QUERIES", 16)
     fp = tiny.fingerprint()
     old = save_artifact(demo.artifact_root(), method="adamas", model_fingerprint=fp, config={"budget": 16, "bits": 2},
                         tensors={"thresholds": {"thresholds": torch.zeros(fp["num_layers"], fp["kv_heads"], 3)}})
