@@ -38,6 +38,7 @@ NB1 = 1 << COARSE_BITS  # coarse bins
 MAX_BITS = 14  # values < 2^14: int16 storage, <= 256 fine bins
 _P_MAX = 1024  # chunks per row (emit sums over the earlier ones in one vector)
 _TILE = 2048  # values per tile
+_CHUNK_MAX = 2048  # values per program on CUDA (plan)
 _ROW_MAX = 16384  # on CUDA, rows up to this long take the one-launch row kernel when not captured in a graph
 
 
@@ -203,16 +204,19 @@ def value_bits(max_value: int) -> int:
 
 def plan(n: int, rows: int, device: torch.device, chunk: int | None = None, tile: int | None = None) -> dict:
     """Chunk size (a power of two) and chunks per row. On CUDA a longer row gets about two programs per
-    multiprocessor (best in the H100 sweep, results/count-select-h100.json). A row of at most _ROW_MAX values is
-    one chunk, the one-launch row kernel, unless a CUDA graph is being captured: eagerly, launches cost the host
-    ~40-100 µs each, and the row kernel saves two; in a graph they cost ~1 µs, and the three parallel passes take
-    7-9 µs of GPU time where the row kernel's serial passes take 15-27 (H100, 3-32 rows of 4K-16K values). In the
-    interpreter chunks are small, so that its tests cross chunk and tile boundaries."""
+    multiprocessor, in chunks of at most _CHUNK_MAX values: the passes are bound by instructions per value, and with
+    many rows (one per query head, pooling "head") two programs per SM meant 16K-value chunks: 64 µs for 32 x 131071
+    values, where 2048-value chunks take 44 (H100 sweep of chunk, tile and warps over 8-64 rows of 8K-128K values:
+    results/count-select-chunks-h100.json; the first sweep: results/count-select-h100.json). A row of at most
+    _ROW_MAX values is one chunk, the one-launch row kernel, unless a CUDA graph is being captured: eagerly,
+    launches cost the host ~40-100 µs each, and the row kernel saves two; in a graph they cost ~1 µs, and the three
+    parallel passes take 7-9 µs of GPU time where the row kernel's serial passes take 15-27 (H100, 3-32 rows of
+    4K-16K values). In the interpreter chunks are small, so that its tests cross chunk and tile boundaries."""
     if chunk is None:
         if device.type == "cuda":
             per_row = max(1, 2 * num_sms(device) // max(rows, 1))
             one = n <= _ROW_MAX and not torch.cuda.is_current_stream_capturing()
-            chunk = n if one else max(256, triton.cdiv(n, per_row))
+            chunk = n if one else min(_CHUNK_MAX, max(256, triton.cdiv(n, per_row)))
         else:
             chunk = 128
     chunk = triton.next_power_of_2(max(chunk, triton.cdiv(n, _P_MAX), 16))
