@@ -139,6 +139,24 @@ def test_gpu_long_rows_with_ties():
     dist = code_distance(qw, kw, 131072, 128, pool="sum")
     for _ in range(3):
         assert torch.equal(code_topk(qw, kw, 131072, 128, 2048, pool="sum").cpu(), smallest_reference(dist, 2048))
+    dist = code_distance(qw, kw, 131072, 128)  # one row per query head: 32 rows of 64 chunks
+    assert torch.equal(code_topk(qw, kw, 131072, 128, 2048).cpu(), smallest_reference(dist, 2048))
+
+
+def test_plan_caps_chunks(monkeypatch):
+    """On CUDA, long rows get about two programs per SM but never chunks over 2048 values (32 rows of 131071 values:
+    64 chunks each, not 8 of 16384), and short rows one chunk (the row kernel) unless a graph is being captured."""
+    import sparsekv.kernels.count_select as CS
+
+    monkeypatch.setattr(CS, "num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cuda = torch.device("cuda")
+    assert CS.plan(131071, 32, cuda) == dict(chunk=2048, p=64, tile=2048)
+    assert CS.plan(131071, 8, cuda)["chunk"] == 2048
+    assert CS.plan(32767, 8, cuda)["chunk"] == 1024  # 33 programs per row
+    assert CS.plan(8191, 8, cuda)["p"] == 1  # the one-launch row kernel
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert CS.plan(8191, 8, cuda) == dict(chunk=256, p=32, tile=256)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
