@@ -3,7 +3,7 @@
 Adamas' and LSH's scores are integer code distances in [0, 2^NBITS) (L1 of 2-bit codes over 128 dims, summed over a
 GQA group of 4, is below 2^11). Ties are the rule there (a few hundred distinct values over 131072 keys), which is
 what sends the float top-k's sampled bound to its fallback (`topk.py`). Counting handles them exactly in three
-launches of rows x P programs (about two per multiprocessor, each owning a CHUNK of one row, read in TILEs):
+launches of rows x P programs (two or more per multiprocessor, each owning a CHUNK of one row, read in TILEs; `plan`):
 
 1. coarse  the top 6 bits of every value into a 64-bin histogram per program (`tl.histogram`: a warp ballot per
            bit; cheap at 64 bins, where 2048 fine bins would cost ~600 instructions per value). The program keeps
