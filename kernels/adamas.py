@@ -15,22 +15,29 @@ code_topk             the k nearest keys' indices: the distances as int16, then 
 Code layout (kernels/reference.py is the spec): code i of a word's group at bits [bits·i, bits·(i+1)); 16 codes per
 int16 for bits=1, 8 for bits=2, 5 for bits=3 (bit 15 unused); code = number of thresholds strictly below the value.
 
-The 2-bit L1 fast path (the paper's configuration) works on 32-bit lanes of 16 codes (two int16 words read as one
-int32 when the row has an even word count). For codes a, b in {0..3}, |a - b| = Σ_t [a > t] xor [b > t] (thermometer
-code), and the three thermometer bits of every 2-bit field are (hi | lo), hi, (hi & lo). So a lane's 16 distances are
+The 2-bit L1 fast path (the paper's configuration). For codes a, b in {0..3}, |a - b| = Σ_t [a > t] xor [b > t]
+(thermometer code), and the three thermometer bits of every 2-bit field are (hi | lo), hi, (hi & lo). On CUDA
+(`popc=2`, the default) the words are read as int64 lanes (four int16 words, 32 codes; int32 lanes of 16 codes when
+the word count is only even, int16 words when odd). Of each int32 half, two planes: a = [>0] at even bits | [>1] at
+odd bits and b = [>2] at even bits; the two halves' b share one word (even / odd bits). The distance of the 32 codes
+is then the number of bits set in x1 = a0 ^ a0', x2 = a1 ^ a1', x3 = b ^ b' together, which a carry-save adder turns
+into two POPCs: ones = x1 ^ x2 ^ x3 and twos = majority = ((x1 ^ x3) & (x2 ^ x3)) ^ x3, counted as ones + 2·twos. Xor
+being linear, the key's a0 ^ a1 ^ b, a0 ^ b, a1 ^ b and b are made once per key tile for the whole query group, and
+each query head costs 4 xors, an and, 2 POPCs, a shift and an add per 32 codes. `popc=1` counts each int32 lane's
+two planes with a POPC each. The interpreter (no PTX) and `popc=0` keep the SWAR path: a lane's 16 distances are
 three xors and one add (each 2-bit field holds a sum <= 3, no carry), then a SWAR horizontal sum (2 -> 4 -> 8 bits,
-bytes summed over the row, then 8 -> 32 bits once per key): ~10 integer ops per 16 codes and query head, instead of
-~5 per code. The key's three planes are computed once and reused by the whole query group, whose query heads loop over
-the key tile loaded once (GQA: each KV head's words are read once). Other (bits, metric) unpack the key tile once
-into codes [keys, words, PW2] and take |d| or d² code by code (the ablations: correct, not tuned), except 1-bit codes:
-their L1 (= L2) distance is the Hamming distance, xor and a SWAR popcount of each lane into per-byte counts (<= 8),
-summed like the 2-bit path (the SimHash codes of the `lsh` method, 128 bits = 4 lanes per key).
+bytes summed over the row, then 8 -> 32 bits once per key), ~12 integer ops per 16 codes and query head. Either way
+the query heads of a group loop over the key tile loaded once (GQA: each KV head's words are read once). Other
+(bits, metric) unpack the key tile once into codes [keys, words, PW2] and take |d| or d² code by code (the ablations:
+correct, not tuned), except 1-bit codes: their L1 (= L2) distance is the Hamming distance, a POPC of each lane's xor
+on CUDA (a SWAR popcount into per-byte counts in the interpreter; the SimHash codes of the `lsh` method, 128 bits).
 
-H100 budget at 131072 keys x 8 KV heads x 16 words (D 128): 33.5 MB read, ~11 µs at 3 TB/s. With 4 query heads per
-KV head the fast path is ~0.5 G integer instructions (~470 per key: 12 per lane and head, 8 lanes, 4 heads, plus the
-key's planes and sums), ~34 µs at Hopper's 64 INT32 lanes/SM/clock: the kernel is compute-bound, and measures 42 µs
-(results/count-select-h100.json). Per-query-head int32 output would add 16.8 MB of writes, which is why
-code_scores(pool=...) writes one row per KV head instead.
+H100 (results/adamas-distance-popc-h100.json, CUDA-graph replay; 131072 keys x 8 KV heads x 16 words, D 128: 33.5 MB
+read, ~11 µs at 3 TB/s; 4 query heads per KV head). The SWAR path is compute-bound (~470 integer ops per key against
+Hopper's 64 INT32 lanes/SM/clock): 42.2 µs per query head (int16 out), 40.4 pooled. POPC runs beside the integer
+pipe: one per int32 plane 27.0 / 24.0, the int64 pairs 19.4 / 16.9 (32768 keys: 11.9 -> 6.1, 11.2 -> 5.4). 1-bit
+(LSH, 8 words): 19.5 -> 10.9 per query head, 18.5 -> 8.5 pooled. Per-query-head int32 output would add 16.8 MB of
+writes, which is why code_scores(pool=...) writes one row per KV head instead.
 
 References: kernels/reference.py::adamas_bucketize_reference, adamas_pack_reference, adamas_distance_reference.
 """
@@ -209,6 +216,44 @@ def _l1_2bit_lanes(k_t0, k_t1, k_t2, q):
 
 
 @triton.jit
+def _popc(v):
+    """Population count of int32 lanes, one POPC instruction each (CUDA only: the interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _planes(x):
+    """Thermometer planes of the 16 two-bit fields of int32 lanes: ([>0] at even bits | [>1] at odd bits, [>2] at
+    even bits). |a - b| of two fields is the number of bits set in (a's planes) xor (b's)."""
+    lo = x & 0x55555555
+    hi = (x >> 1) & 0x55555555  # the >> may smear the sign into bit 31: masked off
+    return (hi | lo) | (hi << 1), hi & lo
+
+
+@triton.jit
+def _pair_words(x):
+    """int64 lanes (two int32 lanes of 16 two-bit fields each) -> the four words _l1_2bit_pairs needs: with a0, a1
+    the lanes' ([>0] | [>1]) planes and b both lanes' [>2] planes in one word (even / odd bits): a0 ^ a1 ^ b,
+    a0 ^ b, a1 ^ b, b. Xor is linear, so the key's words are made once per key tile and the query's once per head."""
+    a0, b0 = _planes(x.to(tl.int32))
+    a1, b1 = _planes((x >> 32).to(tl.int32))
+    b = b0 | (b1 << 1)
+    return a0 ^ a1 ^ b, a0 ^ b, a1 ^ b, b
+
+
+@triton.jit
+def _l1_2bit_pairs(k_o, k_13, k_23, k_3, q):
+    """Σ over lane pairs of the 32 L1 field distances of each pair, with two POPCs: with x1, x2, x3 the three
+    planes xor the query's, a carry-save adder gives ones = x1 ^ x2 ^ x3 and twos = majority(x1, x2, x3) =
+    ((x1 ^ x3) & (x2 ^ x3)) ^ x3, and ones + 2·twos bits = the bits set in all three. Key words [BL, BW] from
+    _pair_words, query lanes q [BW] (int64) -> [BL]."""
+    q_o, q_13, q_23, q_3 = _pair_words(q)
+    ones = k_o ^ q_o[None, :]
+    twos = ((k_13 ^ q_13[None, :]) & (k_23 ^ q_23[None, :])) ^ (k_3 ^ q_3[None, :])
+    return tl.sum(_popc(ones) + (_popc(twos) << 1), axis=1)
+
+
+@triton.jit
 def _popcount_bytes(v):
     """Per-byte popcounts (each <= 8) of int32 lanes: SWAR, the masks drop the bits an arithmetic >> smears in."""
     v = v - ((v >> 1) & 0x55555555)
@@ -246,9 +291,9 @@ def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr
 def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
                           G: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, HAMMING: tl.constexpr,
-                          LANES32: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                          LANE_BITS: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
                           PW2: tl.constexpr, L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
-                          BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
+                          BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr):
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -260,18 +305,20 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
     # the key tile, read once for the whole query group; padding words read as 0 (code 0 on both sides: adds 0)
     k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
                 mask=k_ok[:, None] & w_ok[None, :], other=0)
-    if FAST:
+    if LANE_BITS == 64:  # POPC pairs: lanes 2i and 2i + 1 of the key, their words made once for the group
+        k_o, k_13, k_23, k_3 = _pair_words(k)
+    elif FAST or HAMMING:
         k = k.to(tl.int32)
-        if not LANES32:
+        if LANE_BITS == 16:
             k = k & 0xFFFF  # int16 words sign-extend: keep their 16 bits only
-        k_lo = k & 0x55555555
-        k_hi = (k >> 1) & 0x55555555
-        k_t0 = k_hi | k_lo
-        k_t2 = k_hi & k_lo
-    elif HAMMING:
-        k = k.to(tl.int32)
-        if not LANES32:
-            k = k & 0xFFFF
+        if FAST:
+            if POPC:
+                k_a, k_b = _planes(k)
+            else:
+                k_lo = k & 0x55555555
+                k_hi = (k >> 1) & 0x55555555
+                k_t0 = k_hi | k_lo
+                k_t2 = k_hi & k_lo
     else:  # unpacked once per key tile, shared by the query group
         kf = _fields(k.to(tl.int32) & 0xFFFF, BITS, PW, PW2)
     q_base = QW + b * stride_qb + (kv * G) * stride_qh
@@ -282,24 +329,33 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
         pooled = tl.zeros([BLOCK_L], tl.int32)
     for g in tl.static_range(G):
         q = tl.load(q_base + g * stride_qh + w, mask=w_ok, other=0)
-        if FAST:
+        if LANE_BITS == 64:
+            dist = _l1_2bit_pairs(k_o, k_13, k_23, k_3, q)
+        elif FAST:
             q = q.to(tl.int32)
-            if not LANES32:
+            if LANE_BITS == 16:
                 q = q & 0xFFFF
-            part = _l1_2bit_lanes(k_t0, k_hi, k_t2, q)
-            if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
-                dist = _bytes_to_int(tl.sum(part, axis=1))
+            if POPC:
+                q_a, q_b = _planes(q)
+                dist = tl.sum(_popc(k_a ^ q_a[None, :]) + _popc(k_b ^ q_b[None, :]), axis=1)
             else:
-                dist = tl.sum(_bytes_to_int(part), axis=1)
+                part = _l1_2bit_lanes(k_t0, k_hi, k_t2, q)
+                if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
+                    dist = _bytes_to_int(tl.sum(part, axis=1))
+                else:
+                    dist = tl.sum(_bytes_to_int(part), axis=1)
         elif HAMMING:
             q = q.to(tl.int32)
-            if not LANES32:
+            if LANE_BITS == 16:
                 q = q & 0xFFFF
-            part = _popcount_bytes(k ^ q[None, :])
-            if BYTE_SUM:  # bytes summed over the row stay <= 255
-                dist = _bytes_to_int(tl.sum(part, axis=1))
+            if POPC:
+                dist = tl.sum(_popc(k ^ q[None, :]), axis=1)
             else:
-                dist = tl.sum(_bytes_to_int(part), axis=1)
+                part = _popcount_bytes(k ^ q[None, :])
+                if BYTE_SUM:  # bytes summed over the row stay <= 255
+                    dist = _bytes_to_int(tl.sum(part, axis=1))
+                else:
+                    dist = tl.sum(_bytes_to_int(part), axis=1)
         else:
             dist = _dist_generic(kf, q.to(tl.int32) & 0xFFFF, BITS, PW, PW2, L2)
         if POOL == 0:
@@ -318,18 +374,23 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
         tl.store(o_base + kv * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
 
 
-def _as_lanes(words: torch.Tensor) -> torch.Tensor | None:
-    """The same words read as int32 pairs (two int16 words per lane), or None when the layout does not allow it."""
-    if words.shape[-1] % 2 or words.stride(-1) != 1:
+def _as_lanes(words: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor | None:
+    """The same words read as wider lanes (two int16 words per int32, four per int64), or None when the layout does
+    not allow it."""
+    per = dtype.itemsize // 2
+    if words.shape[-1] % per or words.stride(-1) != 1:
         return None
     try:
-        return words.view(torch.int32)
+        return words.view(dtype)
     except RuntimeError:  # odd storage offset or stride
         return None
 
 
-def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps):
-    """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype."""
+def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps,
+                     popc=None):
+    """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype.
+    popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
+    int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2)."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -360,11 +421,13 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         k_words = k_words.contiguous()
     fast = bits == 2 and metric == "l1"
     hamming = bits == 1  # |a - b| = (a - b)² for bits: both metrics are the Hamming distance
+    popc = (2 if popc is None else popc) if q_words.is_cuda else 0
     qw, kw = q_words, k_words
-    if fast or hamming:
-        q32, k32 = _as_lanes(q_words.contiguous()), _as_lanes(k_words)
-        if q32 is not None and k32 is not None:
-            qw, kw = q32, k32
+    for dt in ((torch.int64, torch.int32) if fast and popc == 2 else (torch.int32,)) if fast or hamming else ():
+        q_l, k_l = _as_lanes(q_words.contiguous(), dt), _as_lanes(k_words, dt)
+        if q_l is not None and k_l is not None:
+            qw, kw = q_l, k_l
+            break
     NW = qw.shape[-1]
     BLOCK_W = triton.next_power_of_2(NW)
     if fast or hamming:  # [BLOCK_L, BLOCK_W] lanes live in registers across the group loop
@@ -375,10 +438,11 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     _code_distance_kernel[grid](
         qw, kw, out, length, Hkv,
         qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
-        G=G, NW=NW, FAST=fast, HAMMING=hamming, LANES32=qw.dtype == torch.int32,
+        G=G, NW=NW, FAST=fast, HAMMING=hamming, LANE_BITS=qw.element_size() * 8,
         BYTE_SUM=(fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255), BITS=bits, PW=pw,
         PW2=triton.next_power_of_2(pw), L2=metric == "l2",
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
+        POPC=popc > 0,
     )
     return out
 

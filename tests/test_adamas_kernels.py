@@ -360,3 +360,31 @@ def test_bf16_on_gpu():
     qw = quantize_pack(q, th, 2)
     ref = adamas_distance_reference(qw[:, :, 0], words, D)
     assert torch.equal(code_distance(qw, words, L, D), ref)
+
+
+@pytest.mark.skipif(not CUDA, reason="the POPC paths run only on CUDA (the interpreter runs no PTX)")
+@pytest.mark.parametrize("bits", [1, 2])
+def test_gpu_distance_lane_paths(bits):
+    """Every lane width and counting path of the 1-/2-bit L1 kernel equals the reference on the GPU: SWAR byte sums
+    (popc=0, what the interpreter runs), one POPC per int32 lane (1), and for 2-bit codes int64 lane pairs through a
+    carry-save adder (2, the default). Word counts divisible by 4 (int64 lanes), by 2 only (int32), odd (int16);
+    sliced caches; GQA 1/4/8; every pooling."""
+    from sparsekv.kernels.adamas import _launch_distance
+
+    B, Lmax, length = 2, 700, 613
+    cases = [(128, 4), (128, 1), (96, 8), (80, 4), (72, 4), (64, 4)] if bits == 2 else [(128, 4), (80, 4), (20, 1)]
+    for (D, G), s in itertools.product(cases, (0, 1)):
+        qw = _random_words((B, 2 * G), D, bits, seed=D + G).cuda()
+        kw = _random_words((B, 2, Lmax), D, bits, seed=D + s).cuda()[:, :, s:]  # a view past row s, as the sink
+        ref = adamas_distance_reference(qw, kw[:, :, :length], D, bits)
+        for popc in (0, 1, 2):
+            out = _launch_distance(qw, kw, length, D, bits, "l1", None, torch.int32, False, None, 4, popc=popc)
+            assert torch.equal(out, ref), (D, G, s, popc)
+        for pool in ("sum", "min"):  # the default path, pooled in the kernel
+            ref = adamas_distance_reference(qw, kw[:, :, :length], D, bits, pool=pool)
+            assert torch.equal(code_distance(qw, kw, length, D, bits, pool=pool), ref), (D, G, s, pool)
+    # the largest distances, through the default path
+    for D in (128, 256, 336):
+        qw = adamas_pack_reference(torch.full((1, 2, D), 3, dtype=torch.uint8), 2).cuda()
+        kw = adamas_pack_reference(torch.tensor([0, 3, 1], dtype=torch.uint8).view(1, 1, 3, 1).expand(1, 1, 3, D), 2)
+        assert code_distance(qw, kw.cuda(), 3, D).view(2, 3).tolist() == [[3 * D, 0, 2 * D]] * 2
