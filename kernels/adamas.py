@@ -481,8 +481,9 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`:
     three short passes, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending
     index order; the same keys as topk(code_scores(...), k), without the float top-k's tie fallback.
-    H100, 8 rows (llama3-8b, pooled), k 2047, CUDA-graph replay (results/count-select-h100.json): 60.6 µs at 131072
-    keys (distance kernel 42 + select 16.5) against 93.5 for code_scores + topk; 19.9 against 46.9 at 32768.
+    H100, llama3-8b shape, k 2047, CUDA-graph replay (results/count-select-window-h100.json): per query head (32 rows)
+    57.2 µs at 131072 keys (distances 19.5 + select 34.9), pooled (8 rows) 33.8; at 32768 22.4 and 16.4. (Pooled in
+    session 5, SWAR distances and three histogram passes: 60.6 against 93.5 for code_scores + topk.)
     Rows whose distances can reach 2^14 (e.g. 3-bit L2 pooled over 8 heads) raise ValueError: use code_scores +
     topk (`code_topk_supported` tells)."""
     vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool))

@@ -3,24 +3,36 @@
 Adamas' and LSH's scores are integer code distances in [0, 2^NBITS) (L1 of 2-bit codes over 128 dims, summed over a
 GQA group of 4, is below 2^11). Ties are the rule there (a few hundred distinct values over 131072 keys), which is
 what sends the float top-k's sampled bound to its fallback (`topk.py`). Counting handles them exactly in three
-launches of rows x P programs (two or more per multiprocessor, each owning a CHUNK of one row, read in TILEs; `plan`):
+launches (`plan`: rows x P programs for the last two, two or more per multiprocessor, each owning a CHUNK of one row,
+read in TILEs):
 
-1. coarse  the top 6 bits of every value into a 64-bin histogram per program (`tl.histogram`: a warp ballot per
-           bit; cheap at 64 bins, where 2048 fine bins would cost ~600 instructions per value). The program keeps
-           its histogram, cumulated, in PH1 and adds it to the row's, GH1, with atomics.
-2. fine    every program reads GH1 and finds the coarse bin tb holding the k-th smallest value (a 64-entry scan;
-           program 0 records tb), then histograms the low bits of its values inside tb the same way (PH2, GH2).
-3. emit    every program finds the threshold t and c_lt (how many values are < t) from GH2, and how many values
-           < t and == t lie in the chunks before its own from their cumulative histograms, without a scan across
-           programs: PH1[q, tb - 1] + PH2[q, lo - 1] and PH2[q, lo] - PH2[q, lo - 1] summed over q < p (lo: t's
-           low bits). It writes every value < t and the first k - c_lt values == t (ties to the lower index) at
-           pos = how many are taken before it, so each row's indices come out in ascending index order, as from
-           `topk.topk`.
+1. base    one program per row takes the ks-th smallest of S = 1024 values sampled at a stride (ks = k S / n: its
+           estimate of the row's k-th smallest value; exact, from a histogram of their top 6 bits and one of the
+           low bits in the bin that holds it, `tl.histogram`: a warp ballot per bit) and records the base of a
+           window of 62 values around it (centred; higher when ks is small, as a sample's few smallest overestimate
+           the row's). It also clears the row's window histogram GH.
+2. window  every program histograms its values into WIN = 64 bins: bin 0 below the base, one bin per value of the
+           window, the last bin above it. It keeps the histogram, cumulated, in PH and adds it to GH with atomics.
+           This replaces the two full passes of the first design (top 6 bits of every value, then the low bits in
+           the bin that holds the k-th), which took 14.1 + 12.3 µs of the 44.0 for 32 x 131071 values on the H100.
+3. emit    every program reads GH: when the k-th smallest lies in the window (bin b, 0 < b < WIN - 1), it is the
+           threshold t = base + b - 1, c_lt (values < t) is the count below bin b, and how many values < t and
+           == t lie in the chunks before this one come from their cumulative histograms (PH[q, b - 1], PH[q, b] -
+           PH[q, b - 1], q < p), without a scan across programs. Otherwise (the sample misled: a miss) the program
+           finds t, c_lt and those counts from the row itself, tile by tile: exact, but it reads the row three
+           times in every program of the row (32 x 131071 values, every row missing: 1.7 ms instead of 36 µs).
+           It writes every value < t and the first k - c_lt values == t (ties to the lower index) at pos = how many
+           are taken before it, so each row's indices come out in ascending index order, as from `topk.topk`.
 
-No program waits for another: each pass reads what the previous launch left. The row histograms are cleared where
-nobody reads them any more (GH1 by pass 3, GH2 by the next call's pass 1), so there is no memset and no host sync
-and a call can be captured in a CUDA graph. Scratch is cached per (device, rows, chunks, fine bins); calls that
-share it must be ordered (one stream or one graph). Values outside [0, 2^NBITS) are clamped into it.
+Measured on the H100 (results/count-select-window-h100.json, µs graph, bell-shaped values like code distances):
+32 x 131071 (k 2047, Adamas per query head) 44.0 -> 37.0; 8 x 131071 (pooled) 18.7 -> 15.5; 32 x 32767 17.1 -> 14.9;
+64 x 131071 82.6 -> 63.6; 8 x 32767 and 32 x 8191 unchanged (10.3, 9.8). The base launch costs ~2.7 µs whatever
+the size (one program per row, a chain of two histograms).
+
+No program waits for another: each step reads what the previous launch left (the one-program row kernel does the
+three steps in turn). GH is cleared by the next call's first step, so there is no memset and no host sync and a call
+can be captured in a CUDA graph. Scratch is cached per (device, rows, chunks); calls that share it must be ordered
+(one stream or one graph). Values outside [0, 2^NBITS) are clamped into it.
 Reference: the k smallest by (value, index), e.g. `tests/test_count_select.py::smallest_reference`.
 """
 
@@ -33,8 +45,9 @@ import triton.language as tl
 from .device import num_sms
 from .topk import _scatter_offsets, rows_and_out
 
-COARSE_BITS = 6
-NB1 = 1 << COARSE_BITS  # coarse bins
+COARSE_BITS = 6  # the sample's (and the fallback's) first histogram: the top 6 bits
+WIN = tl.constexpr(64)  # bins of the window histogram: 62 single values around the sampled estimate, and both sides
+_SAMPLE = 1024  # values sampled per row for the window's base
 MAX_BITS = 14  # values < 2^14: int16 storage, <= 256 fine bins
 _P_MAX = 1024  # chunks per row (emit sums over the earlier ones in one vector)
 _TILE = 2048  # values per tile
@@ -59,10 +72,9 @@ def _publish(h, PHp, GHr, NB: tl.constexpr):
 
 
 @triton.jit
-def _find(GHr, need, NB: tl.constexpr):
-    """From the row's histogram: the bin holding the need-th smallest value, and how many values lie below it."""
+def _find_in(g, need, NB: tl.constexpr):
+    """From a row histogram g [NB]: the bin holding the need-th smallest value, and how many values lie below it."""
     bins = tl.arange(0, NB)
-    g = tl.load(GHr + bins, cache_modifier=".cg")  # filled by atomics (L2), maybe by this program
     b = tl.sum((tl.cumsum(g, 0) < need).to(tl.int32), 0)  # the first bin whose cumulative count reaches need
     return b, tl.sum(tl.where(bins < b, g, 0), 0)
 
@@ -73,65 +85,96 @@ def _values(Dr, idx, ok, VMAX: tl.constexpr):
 
 
 @triton.jit
-def _pass1(D, PH1, GH1, GH2, N, stride_d, r, p, P, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr,
-           CHUNK: tl.constexpr, TILE: tl.constexpr):
-    """Chunk p of row r: histogram of the values' top 6 bits. Chunk 0 clears GH2 (the last call's pass 3 is done
-    with it; pass 2 fills it)."""
-    r64 = r.to(tl.int64)
-    Dr = D + r64 * stride_d
-    if p == 0:
-        tl.store(GH2 + r64 * NB2 + tl.arange(0, NB2), tl.zeros([NB2], tl.int32))
+def _kth(Dr, pos, ok, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr):
+    """The need-th smallest of the values at pos (exact: coarse bins of the top 6 bits, then the low bits of the bin
+    that holds it), and how many are below it."""
+    v = _values(Dr, pos, ok, VMAX)
+    tb, c1 = _find_in(_hist(v >> SHIFT, ok, 64), need, 64)
+    lo, c2 = _find_in(_hist(v & ((1 << SHIFT) - 1), ok & ((v >> SHIFT) == tb), NB2), need - c1, NB2)
+    return (tb << SHIFT) + lo, c1 + c2
+
+
+@triton.jit
+def _row_kth(Dr, N, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr, TILE: tl.constexpr):
+    """_kth over a whole row, tile by tile (two passes): the fallback when the window missed."""
     h = tl.zeros([64], tl.int32)
-    for t in range(CHUNK // TILE):
-        idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
+    for off in range(0, N, TILE):
+        idx = off + tl.arange(0, TILE)
         ok = idx < N
         h += _hist(_values(Dr, idx, ok, VMAX) >> SHIFT, ok, 64)
-    _publish(h, PH1 + (r64 * P + p) * 64, GH1 + r64 * 64, 64)
+    tb, c1 = _find_in(h, need, 64)
+    h2 = tl.zeros([NB2], tl.int32)
+    for off in range(0, N, TILE):
+        idx = off + tl.arange(0, TILE)
+        ok = idx < N
+        v = _values(Dr, idx, ok, VMAX)
+        h2 += _hist(v & ((1 << SHIFT) - 1), ok & ((v >> SHIFT) == tb), NB2)
+    lo, c2 = _find_in(h2, need - c1, NB2)
+    return (tb << SHIFT) + lo, c1 + c2
 
 
 @triton.jit
-def _pass2(D, PH2, GH1, GH2, STATE, N, k, stride_d, r, p, P, SHIFT: tl.constexpr, VMAX: tl.constexpr,
-           NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
-    """Chunk p of row r: the coarse bin tb from GH1 (chunk 0 records it), then the histogram of the low SHIFT bits
-    of the values inside tb."""
+def _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, r, S: tl.constexpr, SHIFT: tl.constexpr,
+                 VMAX: tl.constexpr, NB2: tl.constexpr, FORCE_MISS: tl.constexpr):
+    """Row r: the ks-th smallest of S values sampled every STRIDE, minus `below` (>= 0): the base of the window
+    histogram. Also clears the row's window histogram (the last call's emit is done with it)."""
+    r64 = r.to(tl.int64)
+    tl.store(GH + r64 * WIN + tl.arange(0, WIN), tl.zeros([WIN], tl.int32))
+    pos = tl.arange(0, S) * STRIDE
+    est, _ = _kth(D + r64 * stride_d, pos, pos < N, ks, SHIFT, VMAX, NB2)
+    base = tl.maximum(est - below, 0)
+    if FORCE_MISS:  # tests: a window above every value, so that emit takes its fallback
+        base = VMAX + 1
+    tl.store(STATE + r64, base)
+
+
+@triton.jit
+def _window(D, PH, GH, STATE, N, stride_d, r, p, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Chunk p of row r: histogram of the values around the base, WIN bins: bin 0 < base, bin i (1 <= i < WIN - 1)
+    = base + i - 1, bin WIN - 1 >= base + WIN - 2."""
     r64 = r.to(tl.int64)
     Dr = D + r64 * stride_d
-    tb, c1 = _find(GH1 + r64 * 64, k, 64)
-    if p == 0:
-        tl.store(STATE + r64 * 2, tb)
-        tl.store(STATE + r64 * 2 + 1, c1)
-    h = tl.zeros([NB2], tl.int32)
+    base = tl.load(STATE + r64, cache_modifier=".cg")
+    h = tl.zeros([WIN], tl.int32)
     for t in range(CHUNK // TILE):
         idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
         ok = idx < N
-        v = _values(Dr, idx, ok, VMAX)
-        h += _hist(v & ((1 << SHIFT) - 1), ok & ((v >> SHIFT) == tb), NB2)
-    _publish(h, PH2 + (r64 * P + p) * NB2, GH2 + r64 * NB2, NB2)
+        h += _hist(tl.minimum(tl.maximum(_values(Dr, idx, ok, VMAX) - base + 1, 0), WIN - 1), ok, WIN)
+    _publish(h, PH + (r64 * P + p) * WIN, GH + r64 * WIN, WIN)
 
 
 @triton.jit
-def _pass3(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, SHIFT: tl.constexpr,
-           VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
-    """Chunk p of row r: the threshold t = tb·2^SHIFT + lo from GH2; the indices (+ offset) of the values < t and of
-    the first k - c_lt values == t, in index order. Chunk 0 clears GH1 (pass 2 is done with it)."""
+def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, SHIFT: tl.constexpr,
+          VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Chunk p of row r: the threshold t (the k-th smallest) and c_lt (how many values are < t) from the row's
+    window histogram, and how many values < t and == t lie in the chunks before this one from their cumulative
+    histograms (no scan across programs); the indices (+ offset) of the values < t and of the first k - c_lt values
+    == t (ties to the lower index), in index order. When the k-th smallest fell outside the window, the program
+    finds t and those counts from the row itself (slow, exact)."""
     r64 = r.to(tl.int64)
     Dr = D + r64 * stride_d
     Or = OUT + r64 * stride_o
-    if p == 0:
-        tl.store(GH1 + r64 * 64 + tl.arange(0, 64), tl.zeros([64], tl.int32))
-    tb = tl.load(STATE + r64 * 2, cache_modifier=".cg")
-    c1 = tl.load(STATE + r64 * 2 + 1, cache_modifier=".cg")
-    lo, c2 = _find(GH2 + r64 * NB2, k - c1, NB2)
-    thr = (tb << SHIFT) + lo
-    need = k - c1 - c2
-    # how many values < t and == t lie in the chunks before this one, from their cumulative histograms
-    qs = tl.arange(0, PP)
-    before = qs < p
-    rows = r64 * P + qs
-    lt_run = tl.sum(tl.load(PH1 + rows * 64 + tb - 1, mask=before & (qs * 0 + tb > 0), other=0), 0)
-    below = tl.sum(tl.load(PH2 + rows * NB2 + lo - 1, mask=before & (qs * 0 + lo > 0), other=0), 0)
-    eq_run = tl.sum(tl.load(PH2 + rows * NB2 + lo, mask=before, other=0), 0) - below
-    lt_run += below
+    base = tl.load(STATE + r64, cache_modifier=".cg")
+    g = tl.load(GH + r64 * WIN + tl.arange(0, WIN), cache_modifier=".cg")  # filled by atomics (L2)
+    b, c_lt = _find_in(g, k, WIN)
+    if (b > 0) & (b < WIN - 1):  # inside the window: t = base + b - 1
+        thr = base + b - 1
+        qs = tl.arange(0, PP)
+        before = qs < p
+        rows = r64 * P + qs
+        lt_run = tl.sum(tl.load(PH + rows * WIN + b - 1, mask=before, other=0), 0)
+        eq_run = tl.sum(tl.load(PH + rows * WIN + b, mask=before, other=0), 0) - lt_run
+    else:
+        thr, c_lt = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
+        lt_run = tl.zeros([], tl.int32)
+        eq_run = tl.zeros([], tl.int32)
+        for off in range(0, p * CHUNK, TILE):
+            idx = off + tl.arange(0, TILE)
+            ok = idx < N
+            v = _values(Dr, idx, ok, VMAX)
+            lt_run += tl.sum((ok & (v < thr)).to(tl.int32), 0)
+            eq_run += tl.sum((ok & (v == thr)).to(tl.int32), 0)
+    need = k - c_lt
     for t in range(CHUNK // TILE):
         idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
         ok = idx < N
@@ -149,43 +192,39 @@ def _pass3(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, stride_o, 
 
 
 @triton.jit
-def _coarse_kernel(D, PH1, GH1, GH2, N, stride_d, P, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr,
-                   CHUNK: tl.constexpr, TILE: tl.constexpr):
-    q = tl.program_id(0)
-    r = q // P
-    _pass1(D, PH1, GH1, GH2, N, stride_d, r, q - r * P, P, SHIFT, VMAX, NB2, CHUNK, TILE)
+def _base_kernel(D, GH, STATE, N, ks, below, stride_d, STRIDE, S: tl.constexpr, SHIFT: tl.constexpr,
+                 VMAX: tl.constexpr, NB2: tl.constexpr, FORCE_MISS: tl.constexpr):
+    _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, tl.program_id(0), S, SHIFT, VMAX, NB2, FORCE_MISS)
 
 
 @triton.jit
-def _fine_kernel(D, PH2, GH1, GH2, STATE, N, k, stride_d, P, SHIFT: tl.constexpr, VMAX: tl.constexpr,
-                 NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def _window_kernel(D, PH, GH, STATE, N, stride_d, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
     q = tl.program_id(0)
     r = q // P
-    _pass2(D, PH2, GH1, GH2, STATE, N, k, stride_d, r, q - r * P, P, SHIFT, VMAX, NB2, CHUNK, TILE)
+    _window(D, PH, GH, STATE, N, stride_d, r, q - r * P, P, VMAX, CHUNK, TILE)
 
 
 @triton.jit
-def _emit_kernel(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, stride_o, P, SHIFT: tl.constexpr,
+def _emit_kernel(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, P, SHIFT: tl.constexpr,
                  VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
     q = tl.program_id(0)
     r = q // P
-    _pass3(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, stride_o, r, q - r * P, P, SHIFT, VMAX, NB2,
-           PP, CHUNK, TILE)
+    _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, q - r * P, P, SHIFT, VMAX, NB2, PP, CHUNK, TILE)
 
 
 @triton.jit
-def _row_kernel(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, stride_o, SHIFT: tl.constexpr,
-                VMAX: tl.constexpr, NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
-    """All three passes in one program per row, for rows of one chunk: one launch, which is what an eager decode
-    step pays for (~40 µs of Python per launch), and no other program to wait for. The barriers order each pass's
-    histogram atomics before the next pass reads them."""
+def _row_kernel(D, PH, GH, STATE, OUT, N, k, ks, below, offset, stride_d, stride_o, STRIDE, S: tl.constexpr,
+                SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                FORCE_MISS: tl.constexpr):
+    """All three steps in one program per row, for rows of one chunk: one launch, which is what an eager decode
+    step pays for (~40 µs of Python per launch), and no other program to wait for. The barriers order each step's
+    stores and atomics before the next one reads them."""
     r = tl.program_id(0)
-    _pass1(D, PH1, GH1, GH2, N, stride_d, r, 0, 1, SHIFT, VMAX, NB2, CHUNK, TILE)
+    _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, r, S, SHIFT, VMAX, NB2, FORCE_MISS)
     tl.debug_barrier()
-    _pass2(D, PH2, GH1, GH2, STATE, N, k, stride_d, r, 0, 1, SHIFT, VMAX, NB2, CHUNK, TILE)
+    _window(D, PH, GH, STATE, N, stride_d, r, 0, 1, VMAX, CHUNK, TILE)
     tl.debug_barrier()
-    _pass3(D, PH1, PH2, GH1, GH2, STATE, OUT, N, k, offset, stride_d, stride_o, r, 0, 1, SHIFT, VMAX, NB2, 1, CHUNK,
-           TILE)
+    _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, 0, 1, SHIFT, VMAX, NB2, 1, CHUNK, TILE)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -210,8 +249,9 @@ def plan(n: int, rows: int, device: torch.device, chunk: int | None = None, tile
     results/count-select-chunks-h100.json; the first sweep: results/count-select-h100.json). A row of at most
     _ROW_MAX values is one chunk, the one-launch row kernel, unless a CUDA graph is being captured: eagerly,
     launches cost the host ~40-100 µs each, and the row kernel saves two; in a graph they cost ~1 µs, and the three
-    parallel passes take 7-9 µs of GPU time where the row kernel's serial passes take 15-27 (H100, 3-32 rows of
-    4K-16K values). In the interpreter chunks are small, so that its tests cross chunk and tile boundaries."""
+    parallel launches took 7-9 µs of GPU time where the row kernel's serial steps took 15-27 (H100, 3-32 rows of
+    4K-16K values, with the first design's three full passes). In the interpreter chunks are small, so that its
+    tests cross chunk and tile boundaries."""
     if chunk is None:
         if device.type == "cuda":
             per_row = max(1, 2 * num_sms(device) // max(rows, 1))
@@ -224,33 +264,46 @@ def plan(n: int, rows: int, device: torch.device, chunk: int | None = None, tile
     return dict(chunk=chunk, p=max(1, triton.cdiv(n, chunk)), tile=min(chunk, triton.next_power_of_2(tile)))
 
 
-def scratch(device: torch.device, rows: int, p: int, bits: int) -> dict[str, torch.Tensor]:
-    nb2 = fine_bins(bits)
-    key = (device, rows, p, nb2)
+def scratch(device: torch.device, rows: int, p: int) -> dict[str, torch.Tensor]:
+    key = (device, rows, p)
     if key not in _SCRATCH:
         i32 = dict(dtype=torch.int32, device=device)
         _SCRATCH[key] = dict(
-            ph1=torch.empty(rows, p, NB1, **i32),  # per chunk: cumulative coarse histogram
-            ph2=torch.empty(rows, p, nb2, **i32),  # per chunk: cumulative fine histogram of bin tb
-            gh1=torch.zeros(rows, NB1, **i32),  # the row's histograms: zero between calls (passes 3 / 1 clear)
-            gh2=torch.zeros(rows, nb2, **i32),
-            state=torch.empty(rows, 2, **i32),  # tb, how many values lie below bin tb
+            ph=torch.empty(rows, p, WIN.value, **i32),  # per chunk: cumulative window histogram
+            gh=torch.empty(rows, WIN.value, **i32),  # the row's window histogram (cleared by each call's first step)
+            state=torch.empty(rows, **i32),  # the row's window base
         )
     return _SCRATCH[key]
 
 
+def sample_plan(n: int, k: int) -> tuple[int, int, int, int]:
+    """(S, stride, ks, below): S (a power of two) positions every `stride` values, the rank among the sampled values
+    that estimates the row's k-th smallest (all values are sampled when the row has at most _SAMPLE), and how far
+    below that estimate the window starts: centred, but near its top when ks is small (the sample's few smallest
+    overestimate the row's k-th smallest when k / n is below a few / S) and near its bottom when ks is near the
+    sample's size."""
+    s = min(_SAMPLE, triton.next_power_of_2(max(n, 1)))
+    stride = max(1, n // s)
+    m = min(s, triton.cdiv(n, stride))  # sampled positions inside the row
+    ks = min(m, max(1, round(k * m / n)))
+    below = WIN.value - 3 if ks < 8 and m < n else 1 if ks > m - 8 and m < n else WIN.value // 2 - 1
+    return s, stride, ks, below
+
+
 def fine_bins(bits: int) -> int:
-    """Bins of pass 2: one per low-bit value, at least 32 (one per lane: what tl.histogram lays out)."""
+    """Bins of the second histogram of _kth: one per low-bit value, at least 32 (one per lane: what tl.histogram
+    lays out)."""
     return max(32, 1 << max(0, bits - COARSE_BITS))
 
 
 def shift(bits: int) -> int:
-    """Low bits left to pass 2 (0 when the coarse bins are the values: pass 2 then just counts bin tb)."""
+    """Low bits left to _kth's second histogram (0 when the coarse bins are the values)."""
     return max(0, bits - COARSE_BITS)
 
 
 def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0, out: torch.Tensor | None = None,
-               _chunk: int | None = None, _tile: int | None = None, _num_warps: int | None = None) -> torch.Tensor:
+               _chunk: int | None = None, _tile: int | None = None, _num_warps: int | None = None,
+               _force_miss: bool = False, _base_warps: int = 8) -> torch.Tensor:
     """Indices (+ offset), int64 [..., k], of the k smallest of integer values [..., n] in [0, max_value] (int16 or
     int32; others are clamped into the range). Exact, ties to the lower index, ascending index order in each row;
     no host sync, so it can be captured in a CUDA graph. CUDA or TRITON_INTERPRET=1."""
@@ -262,18 +315,20 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     if rows == 0 or k == 0:
         return out
     pl = plan(n, rows, values.device, chunk=_chunk, tile=_tile)
-    t = scratch(values.device, rows, pl["p"], bits)
-    s, nb2, vmax = shift(bits), fine_bins(bits), (1 << bits) - 1
-    common = dict(SHIFT=s, VMAX=vmax, NB2=nb2, CHUNK=pl["chunk"], TILE=pl["tile"], num_warps=_num_warps or 4)
+    t = scratch(values.device, rows, pl["p"])
+    sh, nb2, vmax = shift(bits), fine_bins(bits), (1 << bits) - 1
+    S, stride, ks, below = sample_plan(n, k)
+    common = dict(VMAX=vmax, CHUNK=pl["chunk"], TILE=pl["tile"], num_warps=_num_warps or 4)
     if pl["p"] == 1:
-        _row_kernel[(rows,)](x, t["ph1"], t["ph2"], t["gh1"], t["gh2"], t["state"], o, n, k, offset, x.stride(0),
-                             o.stride(0), **common)
+        _row_kernel[(rows,)](x, t["ph"], t["gh"], t["state"], o, n, k, ks, below, offset, x.stride(0), o.stride(0),
+                             stride, S=S, SHIFT=sh, NB2=nb2, FORCE_MISS=_force_miss, **common)
         return out
     grid = (rows * pl["p"],)
-    _coarse_kernel[grid](x, t["ph1"], t["gh1"], t["gh2"], n, x.stride(0), pl["p"], **common)
-    _fine_kernel[grid](x, t["ph2"], t["gh1"], t["gh2"], t["state"], n, k, x.stride(0), pl["p"], **common)
-    _emit_kernel[grid](x, t["ph1"], t["ph2"], t["gh1"], t["gh2"], t["state"], o, n, k, offset, x.stride(0),
-                       o.stride(0), pl["p"], PP=triton.next_power_of_2(pl["p"]), **common)
+    _base_kernel[(rows,)](x, t["gh"], t["state"], n, ks, below, x.stride(0), stride, S=S, SHIFT=sh, VMAX=vmax,
+                          NB2=nb2, FORCE_MISS=_force_miss, num_warps=_base_warps)
+    _window_kernel[grid](x, t["ph"], t["gh"], t["state"], n, x.stride(0), pl["p"], **common)
+    _emit_kernel[grid](x, t["ph"], t["gh"], t["state"], o, n, k, offset, x.stride(0), o.stride(0), pl["p"],
+                       SHIFT=sh, NB2=nb2, PP=triton.next_power_of_2(pl["p"]), **common)
     return out
 
 

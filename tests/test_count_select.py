@@ -66,6 +66,22 @@ def test_smallest_k_clamps_out_of_range_values():
     assert smallest_k(v.to(DEV), 5, 63).cpu().tolist() == [[0, 1, 2, 3, 5]]
 
 
+def test_smallest_k_window_misses():
+    """The window histogram sits around the k-th smallest of a strided sample; when the row's k-th smallest falls
+    outside it (a row whose sampled positions mislead, or a forced miss), emit finds the threshold from the row
+    itself: slower, still exact."""
+    n = 8192  # sampled every 2nd value
+    v = torch.randint(0, 50, (1, n), generator=_gen(9), dtype=torch.int32)
+    v[:, ::2] = 2000  # every sampled value is large: the estimate sits far above the k-th smallest (a miss) ...
+    for k in (300, 5000):  # ... unless k reaches into the large ones (5000: a hit on a two-valued row)
+        assert torch.equal(smallest_k(v.to(DEV), k, 2047, _chunk=1024, _tile=512).cpu(), smallest_reference(v, k))
+    w = (torch.randn(3, 1000, generator=_gen(10)) * 60 + 300).clamp(0, 1023).int()
+    for chunk in (64, 1024):  # many chunks; one chunk per row (the one-program row kernel)
+        for k in (1, 77, 1000):
+            out = smallest_k(w.to(DEV), k, 1023, _chunk=chunk, _force_miss=True)
+            assert torch.equal(out.cpu(), smallest_reference(w, k)), (chunk, k)
+
+
 def test_smallest_k_rejects_bad_input():
     v = torch.zeros(2, 10, dtype=torch.int32)
     with pytest.raises(ValueError, match="int16 or int32"):
