@@ -27,9 +27,9 @@ def _gen(seed):
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
 @pytest.mark.parametrize("rows,n,k,vmax", [
-    (3, 1000, 37, 2047),  # coarse + fine pass
+    (3, 1000, 37, 2047),  # wide values: the window holds 62 of them
     (2, 777, 777, 300),  # k = n
-    (4, 513, 1, 63),  # values fit the coarse bins: no fine pass
+    (4, 513, 1, 63),  # every value fits the window
     (2, 300, 100, 5),  # six distinct values: ties everywhere
     (1, 4096, 500, (1 << MAX_BITS) - 1),  # the widest values
     (2, 129, 64, 0),  # a constant row
@@ -53,7 +53,7 @@ def test_smallest_k_repeats_and_shapes():
         for _ in range(2):
             assert torch.equal(smallest_k(v, 200, 63, _chunk=chunk).cpu(), want)
     assert smallest_k(v, 0, 63).shape == (2, 3, 0)
-    w = (v * 37) % 2048  # same shape and scratch, other value range: passes 1 and 3 leave the row histograms clean
+    w = (v * 37) % 2048  # same shape and scratch, other value range: each call clears the row histogram first
     for _ in range(2):
         assert torch.equal(smallest_k(w, 150, 2047).cpu(), smallest_reference(w.view(6, -1), 150).view(2, 3, 150))
         assert torch.equal(smallest_k(v, 200, 63).cpu(), want)
