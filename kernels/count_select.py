@@ -29,9 +29,10 @@ Measured on the H100 (results/count-select-window-h100.json, µs graph, bell-sha
 64 x 131071 82.6 -> 63.6; 8 x 32767 and 32 x 8191 unchanged (10.3, 9.8). The base launch costs ~2.7 µs whatever
 the size (one program per row, a chain of two histograms).
 
-No program waits for another: each step reads what the previous launch left (the one-program row kernel does the
-three steps in turn). GH is cleared by the next call's first step, so there is no memset and no host sync and a call
-can be captured in a CUDA graph. Scratch is cached per (device, rows, chunks); calls that share it must be ordered
+No program waits for another: each step reads what the previous launch left. GH is cleared by the next call's first
+step, so there is no memset and no host sync and a call can be captured in a CUDA graph. Rows of one chunk (eager
+calls on rows of at most 16384, `plan`) take one launch instead, one program per row, which finds the row's exact
+k-th smallest from two histograms of its own values (no sample, no scratch) and emits. Scratch is cached per (device, rows, chunks); calls that share it must be ordered
 (one stream or one graph). Values outside [0, 2^NBITS) are clamped into it.
 Reference: the k smallest by (value, index), e.g. `tests/test_count_select.py::smallest_reference`.
 """
@@ -96,7 +97,8 @@ def _kth(Dr, pos, ok, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.con
 
 @triton.jit
 def _row_kth(Dr, N, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr, TILE: tl.constexpr):
-    """_kth over a whole row, tile by tile (two passes): the fallback when the window missed."""
+    """_kth over a whole row, tile by tile (two passes): the row kernel's threshold, and emit's when the window
+    missed."""
     h = tl.zeros([64], tl.int32)
     for off in range(0, N, TILE):
         idx = off + tl.arange(0, TILE)
@@ -174,7 +176,15 @@ def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, SHIF
             v = _values(Dr, idx, ok, VMAX)
             lt_run += tl.sum((ok & (v < thr)).to(tl.int32), 0)
             eq_run += tl.sum((ok & (v == thr)).to(tl.int32), 0)
-    need = k - c_lt
+    _emit_tiles(Dr, Or, N, thr, k - c_lt, lt_run, eq_run, offset, p, VMAX, CHUNK, TILE)
+
+
+@triton.jit
+def _emit_tiles(Dr, Or, N, thr, need, lt_run, eq_run, offset, p, VMAX: tl.constexpr, CHUNK: tl.constexpr,
+                TILE: tl.constexpr):
+    """Chunk p: the indices (+ offset) of its values < thr and of its values == thr while fewer than `need` of them
+    have been taken (lt_run / eq_run: how many values < thr / == thr lie before the chunk), at their rank among the
+    taken ones: ascending index order."""
     for t in range(CHUNK // TILE):
         idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
         ok = idx < N
@@ -213,18 +223,19 @@ def _emit_kernel(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, P, SHI
 
 
 @triton.jit
-def _row_kernel(D, PH, GH, STATE, OUT, N, k, ks, below, offset, stride_d, stride_o, STRIDE, S: tl.constexpr,
-                SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                FORCE_MISS: tl.constexpr):
-    """All three steps in one program per row, for rows of one chunk: one launch, which is what an eager decode
-    step pays for (~40 µs of Python per launch), and no other program to wait for. The barriers order each step's
-    stores and atomics before the next one reads them."""
-    r = tl.program_id(0)
-    _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, r, S, SHIFT, VMAX, NB2, FORCE_MISS)
-    tl.debug_barrier()
-    _window(D, PH, GH, STATE, N, stride_d, r, 0, 1, VMAX, CHUNK, TILE)
-    tl.debug_barrier()
-    _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, 0, 1, SHIFT, VMAX, NB2, 1, CHUNK, TILE)
+def _row_kernel(D, OUT, N, k, offset, stride_d, stride_o, SHIFT: tl.constexpr, VMAX: tl.constexpr,
+                NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Rows of one chunk, one program each: the exact k-th smallest from the row itself (a histogram of the top 6
+    bits, then one of the low bits in the bin that holds it), then emit. One launch, which is what an eager decode
+    step pays for (~40 µs of Python per launch), no scratch, and no sample: with one program per row every step is
+    on the critical path, and a sampled window would add one. H100, µs graph, against the first design's three
+    passes through scratch (results/count-select-row-kernel-h100.json): 9 x 4095, k 63 (SmolLM2 at 4K) 12.9 ->
+    10.7; 9 x 8191, k 127 22.8 -> 16.7; 32 x 16383, k 2047 45.3 -> 32.1."""
+    r = tl.program_id(0).to(tl.int64)
+    Dr = D + r * stride_d
+    thr, c_lt = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
+    zero = tl.zeros([], tl.int32)
+    _emit_tiles(Dr, OUT + r * stride_o, N, thr, k - c_lt, zero, zero, offset, 0, VMAX, CHUNK, TILE)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -315,14 +326,13 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     if rows == 0 or k == 0:
         return out
     pl = plan(n, rows, values.device, chunk=_chunk, tile=_tile)
-    t = scratch(values.device, rows, pl["p"])
     sh, nb2, vmax = shift(bits), fine_bins(bits), (1 << bits) - 1
-    S, stride, ks, below = sample_plan(n, k)
     common = dict(VMAX=vmax, CHUNK=pl["chunk"], TILE=pl["tile"], num_warps=_num_warps or 4)
     if pl["p"] == 1:
-        _row_kernel[(rows,)](x, t["ph"], t["gh"], t["state"], o, n, k, ks, below, offset, x.stride(0), o.stride(0),
-                             stride, S=S, SHIFT=sh, NB2=nb2, FORCE_MISS=_force_miss, **common)
+        _row_kernel[(rows,)](x, o, n, k, offset, x.stride(0), o.stride(0), SHIFT=sh, NB2=nb2, **common)
         return out
+    t = scratch(values.device, rows, pl["p"])
+    S, stride, ks, below = sample_plan(n, k)
     grid = (rows * pl["p"],)
     _base_kernel[(rows,)](x, t["gh"], t["state"], n, ks, below, x.stride(0), stride, S=S, SHIFT=sh, VMAX=vmax,
                           NB2=nb2, FORCE_MISS=_force_miss, num_warps=_base_warps)

@@ -76,7 +76,7 @@ def test_smallest_k_window_misses():
     for k in (300, 5000):  # ... unless k reaches into the large ones (5000: a hit on a two-valued row)
         assert torch.equal(smallest_k(v.to(DEV), k, 2047, _chunk=1024, _tile=512).cpu(), smallest_reference(v, k))
     w = (torch.randn(3, 1000, generator=_gen(10)) * 60 + 300).clamp(0, 1023).int()
-    for chunk in (64, 1024):  # many chunks; one chunk per row (the one-program row kernel)
+    for chunk in (64, 1024):  # many chunks; one chunk per row (the row kernel: no window, the same answer)
         for k in (1, 77, 1000):
             out = smallest_k(w.to(DEV), k, 1023, _chunk=chunk, _force_miss=True)
             assert torch.equal(out.cpu(), smallest_reference(w, k)), (chunk, k)
