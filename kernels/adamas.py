@@ -23,7 +23,7 @@ odd bits and b = [>2] at even bits; the two halves' b share one word (even / odd
 is then the number of bits set in x1 = a0 ^ a0', x2 = a1 ^ a1', x3 = b ^ b' together, which a carry-save adder turns
 into two POPCs: ones = x1 ^ x2 ^ x3 and twos = majority = ((x1 ^ x3) & (x2 ^ x3)) ^ x3, counted as ones + 2·twos. Xor
 being linear, the key's a0 ^ a1 ^ b, a0 ^ b, a1 ^ b and b are made once per key tile for the whole query group, and
-each query head costs 4 xors, an and, 2 POPCs, a shift and an add per 32 codes. `popc=1` counts each int32 lane's
+each query head costs 5 xors, an and, 2 POPCs, a shift and an add per 32 codes. `popc=1` counts each int32 lane's
 two planes with a POPC each. The interpreter (no PTX) and `popc=0` keep the SWAR path: a lane's 16 distances are
 three xors and one add (each 2-bit field holds a sum <= 3, no carry), then a SWAR horizontal sum (2 -> 4 -> 8 bits,
 bytes summed over the row, then 8 -> 32 bits once per key), ~12 integer ops per 16 codes and query head. Either way
@@ -478,8 +478,8 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
               metric: str = "l1", *, pool: str | None = None, offset: int = 0, block_l: int | None = None,
               num_warps: int = 4, _chunk: int | None = None, _tile: int | None = None) -> torch.Tensor:
     """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
-    in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`:
-    three short passes, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending
+    in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`: a
+    sampled window, one histogram pass and emit, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending
     index order; the same keys as topk(code_scores(...), k), without the float top-k's tie fallback.
     H100, llama3-8b shape, k 2047, CUDA-graph replay (results/count-select-window-h100.json): per query head (32 rows)
     57.2 µs at 131072 keys (distances 19.5 + select 34.9), pooled (8 rows) 33.8; at 32768 22.4 and 16.4. (Pooled in

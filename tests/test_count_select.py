@@ -70,7 +70,7 @@ def test_smallest_k_window_misses():
     """The window histogram sits around the k-th smallest of a strided sample; when the row's k-th smallest falls
     outside it (a row whose sampled positions mislead, or a forced miss), emit finds the threshold from the row
     itself: slower, still exact."""
-    n = 8192  # sampled every 2nd value
+    n = 8192  # 1024 values sampled, every 8th
     v = torch.randint(0, 50, (1, n), generator=_gen(9), dtype=torch.int32)
     v[:, ::2] = 2000  # every sampled value is large: the estimate sits far above the k-th smallest (a miss) ...
     for k in (300, 5000):  # ... unless k reaches into the large ones (5000: a hit on a two-valued row)
