@@ -423,7 +423,8 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     hamming = bits == 1  # |a - b| = (a - b)² for bits: both metrics are the Hamming distance
     popc = (2 if popc is None else popc) if q_words.is_cuda else 0
     qw, kw = q_words, k_words
-    for dt in ((torch.int64, torch.int32) if fast and popc == 2 else (torch.int32,)) if fast or hamming else ():
+    lanes = (torch.int64, torch.int32) if fast and popc == 2 else (torch.int32,)  # the widest view that fits
+    for dt in lanes if fast or hamming else ():
         q_l, k_l = _as_lanes(q_words.contiguous(), dt), _as_lanes(k_words, dt)
         if q_l is not None and k_l is not None:
             qw, kw = q_l, k_l
