@@ -495,6 +495,107 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     return count_select.smallest_k(dist, k, vmax, offset=offset, _chunk=_chunk, _tile=_tile)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# asymmetric scores: the full query against the keys' bucket centers
+
+
+@triton.jit
+def _code_ip_kernel(Q, KW, C, OUT, length, Hkv,
+                    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_cb, stride_ob, stride_oh,
+                    G: tl.constexpr, GP: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                    PW2: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
+    pid_l = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kv = bh % Hkv
+    keys = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    k_ok = keys < length
+    w = tl.arange(0, BLOCK_W)
+    k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
+                mask=k_ok[:, None] & (w < NW)[None, :], other=0)
+    f = _fields(k.to(tl.int32) & 0xFFFF, BITS, PW, PW2)  # [BLOCK_L, BLOCK_W, PW2]
+    # the group's queries as columns [dims, GP], laid out like the fields (zero at padding slots), split into two
+    # fp16 parts whose sum is the fp32 query to ~2^-22: the tensor-core dots below lose nothing that matters
+    dims = tl.arange(0, BLOCK_W * PW2)
+    g = tl.arange(0, GP)
+    qt = tl.load(Q + b * stride_qb + (kv * G + g[None, :]) * stride_qh + dims[:, None], mask=(g < G)[None, :],
+                 other=0.0)
+    q_hi = qt.to(tl.float16)
+    q_lo = (qt - q_hi.to(tl.float32)).to(tl.float16)
+    # c[code] = c0 + Σ_t [code >= t] (c_t - c_{t-1}): each thermometer plane is exact in fp16
+    c_prev = tl.load(C + kv * stride_cb)
+    s = tl.zeros([BLOCK_L, GP], tl.float32) + c_prev * tl.sum(qt, axis=0)[None, :]
+    for t in tl.static_range(1, 1 << BITS):
+        c_t = tl.load(C + kv * stride_cb + t)
+        plane = tl.reshape(tl.where(f >= t, 1.0, 0.0), [BLOCK_L, BLOCK_W * PW2]).to(tl.float16)
+        s += (c_t - c_prev) * (tl.dot(plane, q_hi) + tl.dot(plane, q_lo))
+        c_prev = c_t
+    tl.store(OUT + b * stride_ob + (kv * G + g[None, :]) * stride_oh + keys[:, None], s,
+             mask=k_ok[:, None] & (g < G)[None, :])
+
+
+def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor, length: int, d: int,
+                   bits: int = 2, *, pool: str | None = None, block_l: int = 128,
+                   num_warps: int = 4) -> torch.Tensor:
+    """Asymmetric scores fp32 [B, H_out, length] (higher = closer): q [B, Hq, d] (or [B, Hq, 1, d]), already in the
+    codes' space (Hadamard-transformed when they are), against the first `length` keys of k_words [B, Hkv, Lmax, W]
+    read as their buckets' centers [Hkv, 2^bits] (reference.adamas_bucket_centers): q · c[code(k)].
+    pool="sum" adds each KV head's query group first (the sum of the scores is the score of the summed query).
+
+    One program per (batch, KV head, block of keys): the key tile is unpacked once into its thermometer planes
+    [code >= t] (t = 1 .. 2^bits - 1; 0/1, exact in fp16), and q · c[code] = c0 Σq + Σ_t (c_t - c_{t-1}) q · plane_t
+    is summed from tensor-core dots of each plane with the group's query columns, the query split into two fp16
+    parts (fp32 accumulation): the scores match the fp32 reference to fp32 rounding.
+    Reference: kernels/reference.py::adamas_ip_scores_reference.
+    """
+    pw = _per_word(bits)
+    W = triton.cdiv(d, pw)
+    if q.dim() == 4 and q.shape[2] == 1:
+        q = q[:, :, 0]
+    if q.dim() != 3 or q.shape[-1] != d:
+        raise ValueError(f"q must be [B, Hq, {d}], got {tuple(q.shape)}")
+    B, Hq, _ = q.shape
+    if k_words.dtype != torch.int16 or k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W:
+        raise ValueError(f"k_words must be int16 [{B}, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
+                         f"got {k_words.dtype} {tuple(k_words.shape)}")
+    Hkv = k_words.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if tuple(centers.shape) != (Hkv, 1 << bits):
+        raise ValueError(f"centers must be [{Hkv}, {1 << bits}], got {tuple(centers.shape)}")
+    if pool not in (None, "sum"):
+        raise ValueError(f"pool must be None or 'sum', got {pool!r}")
+    if not 0 <= length <= k_words.shape[2]:
+        raise ValueError(f"length {length} is outside the key buffer's {k_words.shape[2]} slots")
+    qf = q.float()
+    if pool == "sum":
+        qf = qf.view(B, Hkv, Hq // Hkv, d).sum(2)
+    H_out = qf.shape[1]
+    out = torch.empty(B, H_out, length, dtype=torch.float32, device=q.device)
+    if length == 0 or B == 0:
+        return out
+    PW2 = triton.next_power_of_2(pw)
+    BLOCK_W = max(triton.next_power_of_2(W), 16 // PW2)  # tl.dot needs >= 16 dims
+    # the query laid out like the unpacked fields: column w·PW2 + i is dim w·PW + i, zero where padding
+    col = torch.arange(BLOCK_W * PW2, device=q.device)
+    dim = (col // PW2) * pw + col % PW2
+    ok = (col % PW2 < pw) & (dim < d)
+    qp = torch.where(ok, qf[..., dim.clamp(max=d - 1)], 0.0).contiguous()
+    c = centers.to(device=q.device, dtype=torch.float32).contiguous()
+    if k_words.stride(-1) != 1:
+        k_words = k_words.contiguous()
+    G = H_out // Hkv
+    grid = (triton.cdiv(length, block_l), B * Hkv)
+    _code_ip_kernel[grid](
+        qp, k_words, c, out, length, Hkv,
+        qp.stride(0), qp.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2), c.stride(0),
+        out.stride(0), out.stride(1),
+        G=G, GP=max(16, triton.next_power_of_2(G)), NW=W, BITS=bits, PW=pw, PW2=PW2, BLOCK_L=block_l,
+        BLOCK_W=BLOCK_W, num_warps=num_warps,
+    )
+    return out
+
+
 def code_topk_supported(d: int, bits: int, metric: str, group: int) -> bool:
     """Whether code_topk handles rows pooled over `group` query heads (their largest distance fits its counting)."""
     return _max_distance(d, bits, metric, group).bit_length() <= count_select.MAX_BITS

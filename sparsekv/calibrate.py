@@ -51,7 +51,7 @@ from .activations import Activations
 from .artifacts import save_artifact
 from .errors import SparseKVError
 from .progress import Ticker
-from .methods.adamas import DISTANCES, FIXED_THRESHOLDS, hadamard_for
+from .methods.adamas import CODE_DISTANCES, FIXED_THRESHOLDS, hadamard_for
 
 PER = ("head", "layer", "global")
 QUERY_SCALES = (1.0, 2.0, 4.0, 8.0)
@@ -98,7 +98,10 @@ def calibrate_adamas(acts: Activations, *, per: str = "head", bits: int = 2, had
         raise SparseKVError(f"--per must be one of {', '.join(PER)}, got {per!r}")
     if bits not in FIXED_THRESHOLDS:
         raise SparseKVError(f"--bits must be 1, 2 or 3, got {bits}")
-    if distance not in DISTANCES:
+    if distance == "ip":
+        raise SparseKVError("--distance ip has nothing of its own to fit: calibrate with l1 (the default) and run "
+                            "adamas with --distance ip (it reads the keys' codes as their buckets' midpoints)")
+    if distance not in CODE_DISTANCES:
         raise SparseKVError(f"--distance must be 'l1' or 'l2', got {distance!r}")
     if budget < 1:
         raise SparseKVError(f"--budget must be positive, got {budget}")

@@ -5,7 +5,6 @@ Bad input stops with one line on stderr and exit code 2 (every library error is 
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import time
@@ -158,12 +157,13 @@ def _subtask_table(results: list[dict], title: str) -> Table | None:
 def _specs(methods: list[str], budgets: list[float], seqs: list[int], options: dict, always_dense: bool = False):
     """The grid's cells, validated for every length before minutes are spent on the first one."""
     from .eval.runner import RunSpec, check_specs
+    from .methods import check_options_used, options_for
 
     check_specs([RunSpec(m, None) for m in methods], 1)  # unknown methods first, before option errors
-    _check_options_used(methods, {k: v for k, v in options.items() if k not in ("sink", "window", "pooling")})
+    check_options_used(methods, {k: v for k, v in options.items() if k not in ("sink", "window", "pooling")})
     if always_dense and "dense" not in methods:
         methods = ["dense", *methods]
-    specs = [RunSpec(m, b, _options_for(m, options)) for m in methods
+    specs = [RunSpec(m, b, options_for(m, options)) for m in methods
              for b in ([None] if m == "dense" else budgets)]
     for L in seqs:
         check_specs(specs, L)
@@ -248,26 +248,6 @@ def _run_recall(acts_dir: Path, lm, methods, budgets, options, max_queries, min_
                            min_context=min_context)
 
 
-def _options_for(method: str, options: dict) -> dict:
-    """The method options a grid cell gets: dense takes none; method-specific ones (artifact, bits, ...) go only
-    to the methods whose constructor names them."""
-    from .methods import REGISTRY
-
-    if method == "dense":
-        return {}
-    accepts = inspect.signature(REGISTRY[method].__init__).parameters
-    return {k: v for k, v in options.items() if k in accepts}
-
-
-def _check_options_used(methods: list[str], options: dict) -> None:
-    """An option no method in the grid takes is a mistake to report, not to drop silently."""
-    used = set().union(*(_options_for(m, options) for m in methods)) if methods else set()
-    unused = sorted(set(options) - used)
-    if unused:
-        raise SparseKVError(f"option(s) {', '.join('--' + u for u in unused)} apply to none of the methods "
-                            f"{', '.join(methods)}")
-
-
 @app.command("eval")
 def eval_cmd(
     task: Annotated[str, typer.Option(help="passkey, ruler (RULER's synthetic tasks), ppl (token-by-token "
@@ -300,7 +280,8 @@ def eval_cmd(
     hadamard: Annotated[Optional[bool], typer.Option("--hadamard/--no-hadamard",
                                                      help="adamas ablation: Hadamard transform on/off")] = None,
     bits: Annotated[Optional[int], typer.Option(help="adamas ablation: code bits 1, 2 or 3")] = None,
-    distance: Annotated[Optional[str], typer.Option(help="adamas ablation: code distance l1 or l2")] = None,
+    distance: Annotated[Optional[str], typer.Option(help="adamas: code distance l1 (the paper) or l2, or ip: the "
+                                                    "query itself against the key codes' bucket centers")] = None,
     page_size: Annotated[Optional[int], typer.Option(help="quest: tokens per page")] = None,
     nbits: Annotated[Optional[int], typer.Option(help="lsh: hash bits per key")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here (passkey/ruler also save "
@@ -568,6 +549,8 @@ def bench(
     sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
     window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
     pooling: PoolingOpt = None,
+    distance: Annotated[Optional[str], typer.Option(help="adamas: l1 (the paper), l2, or ip (the query against "
+                                                    "the key codes' bucket centers)")] = None,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,
@@ -598,7 +581,7 @@ def bench(
     with console.status("bench ...") as status:
         result = run_bench(the_shape, seq, methods, budgets, batch=batch, dtype=dtype, device=device,
                            sweep=True if sweep else None, sink=sink, window=window, pooling=pooling,
-                           require_gpu=require_gpu, topk=topk, progress=lambda msg: status.update(f"bench: {msg}"))
+                           method_options={"distance": distance}, require_gpu=require_gpu, topk=topk, progress=lambda msg: status.update(f"bench: {msg}"))
     out = console if console.is_terminal else Console(width=160)  # logs and pipes get whole columns, not 80
     out.print(rows_table(result))
     t = topk_table(result)

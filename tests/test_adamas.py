@@ -111,6 +111,54 @@ def test_kernel_path_codes_other_bits(monkeypatch, bits, distance):
     assert torch.equal(states[0], states[1]) and len(states[0][:, :, :31].unique()) > 2 ** bits
 
 
+def test_ip_hand_built_per_head_and_group():
+    """Distance "ip" on the hand-built example: centers (-1.5, -0.5, 0.5, 1.5) for thresholds (-1, 0, 1); qA·c over
+    keys 0..6 = 24, 0, -2, 16, 20, -4, 18 and qB·c = 0, -24, 22, -8, -4, 4, -6 (the group's sum 24, -24, 20, 8, 16,
+    0, 12)."""
+    m, _, sel = hand_built(distance="ip")
+    assert [sorted(r) for r in sel.indices[0].tolist()] == [[0, 4, 6], [0, 2, 5]]
+    _, _, sel = hand_built(distance="ip", pooling="group")
+    assert sorted(sel.indices[0, 0].tolist()) == [0, 2, 4]
+    assert m.config()["distance"] == "ip"
+
+
+def _ip_vs_l1(distance):
+    """q = (4, 0.2 x 7) has codes (3, 2 x 7). Key X = codes (3, 0 x 7): L1 14, q·c = 6 - 2.1 = 3.9; key Y = (0, 2 x
+    7): L1 3, q·c = -6 + 0.7 = -5.3; key 2 is the window. L1 picks Y, "ip" picks X: the key aligned with the
+    query's one large component."""
+    level = torch.tensor([-1.5, -0.5, 0.5, 1.5])
+    k = level[torch.tensor([[3] + [0] * 7, [0] + [2] * 7, [1] * 8])].view(1, 1, 3, 8)
+    q = torch.tensor([4.0] + [0.2] * 7).view(1, 1, 1, 8)
+    m = get_method("adamas", budget=2, thresholds=(-1, 0, 1), hadamard=False, distance=distance)
+    st = m.new_state(0, CacheShape(1, 1, 1, 8, 4, torch.float32, torch.device("cpu")))
+    m.append(st, k, k, None, 0)
+    st.length = 3
+    return m.select(st, q, None).indices.flatten().tolist()
+
+
+def test_ip_ranks_by_the_query_not_its_codes():
+    assert _ip_vs_l1("l1") == [1] and _ip_vs_l1("ip") == [0]
+
+
+@interpreter_only
+@pytest.mark.parametrize("opts", [{"distance": "ip"}, {"distance": "ip", "pooling": "group"}])
+def test_ip_kernel_path_selects_the_same(monkeypatch, opts):
+    _, _, ref = hand_built(**opts)
+    monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    _, _, ker = hand_built(**opts)
+    assert [sorted(r) for r in ker.indices[0].tolist()] == [sorted(r) for r in ref.indices[0].tolist()]
+    assert _ip_vs_l1("ip") == [0]
+
+
+def test_ip_runs_in_the_runtime(tiny, prompt_ids):
+    a = generate(tiny, prompt_ids, get_method("adamas", budget=16, distance="ip"), 6, stop_on_eos=False)
+    assert a.stats["mean_attended"] == 16 and a.stats["mean_selected"] == 15 and a.stats["mean_window"] == 1
+    d = generate(tiny, prompt_ids, get_method("adamas", budget=400, distance="ip"), 4, keep_logits=True,
+                 stop_on_eos=False)
+    e = generate(tiny, prompt_ids, get_method("dense"), 4, keep_logits=True, stop_on_eos=False)
+    assert d.tokens == e.tokens and all(torch.equal(x, y) for x, y in zip(d.logits, e.logits))
+
+
 def test_defaults_and_bad_options():
     cfg = get_method("adamas", budget=64).config()
     assert cfg["thresholds"] == [-10.0, 0.0, 10.0] and (cfg["sink"], cfg["window"]) == (0, 1)
@@ -320,6 +368,8 @@ def test_calibrate_bad_input(dump):
         calibrate_adamas(dump, per="kv")
     with pytest.raises(SparseKVError, match="queries past position 500"):
         calibrate_adamas(dump, budget=500)
+    with pytest.raises(SparseKVError, match="calibrate with l1 .* run adamas with --distance ip"):
+        calibrate_adamas(dump, distance="ip")
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------------

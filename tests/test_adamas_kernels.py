@@ -6,11 +6,11 @@ import itertools
 import pytest
 import torch
 
-from sparsekv.kernels.adamas import code_distance, code_scores, quantize_pack, quantize_pack_into
+from sparsekv.kernels.adamas import code_distance, code_ip_scores, code_scores, quantize_pack, quantize_pack_into
 from sparsekv.kernels.hadamard import hadamard
-from sparsekv.kernels.reference import (SUPPORTED_HADAMARD, adamas_bucketize_reference, adamas_distance_reference,
-                                        adamas_pack_reference, adamas_unpack_reference, hadamard_matrix,
-                                        hadamard_reference)
+from sparsekv.kernels.reference import (SUPPORTED_HADAMARD, adamas_bucket_centers, adamas_bucketize_reference,
+                                        adamas_distance_reference, adamas_ip_scores_reference, adamas_pack_reference,
+                                        adamas_unpack_reference, hadamard_matrix, hadamard_reference)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -345,6 +345,66 @@ def test_end_to_end_selection_by_hand():
 
 
 # --------------------------------------------------------------------------------------------------------------
+# asymmetric scores (distance "ip")
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("thr,centers", [
+    ((-10.0, 0.0, 10.0), (-15.0, -5.0, 5.0, 15.0)),  # midpoints; the outer buckets extend by half a neighbour
+    ((-1.0, 0.0, 3.0), (-1.5, -0.5, 1.5, 4.5)),
+    ((0.5,), (0.0, 1.0)),  # one threshold: no finite bucket, width 1
+    ((-INF, 0.0, 3.0), (0.0, -1.5, 1.5, 4.5)),  # bucket 0 is empty (nothing is below -inf): any finite value
+    ((1.0, 2.0, INF), (0.5, 1.5, 2.5, 0.0)),
+    ((-INF, -INF, INF), (0.0, 0.0, 0.0, 0.0)),
+])
+def test_bucket_centers(thr, centers):
+    assert adamas_bucket_centers(torch.tensor(thr)).tolist() == list(centers)
+    two = adamas_bucket_centers(torch.tensor([thr, thr]))  # per-head rows
+    assert two.shape == (2, len(thr) + 1) and two[1].tolist() == list(centers)
+
+
+def test_ip_reference_by_hand():
+    """Codes (3, 0, 1, 2) read as centers (-15, -5, 5, 15) -> (15, -15, -5, 5); q = (1, 2, 3, 4): 15 - 30 - 15 + 20."""
+    kw = adamas_pack_reference(torch.tensor([3, 0, 1, 2], dtype=torch.uint8).view(1, 1, 1, 4), 2)
+    cen = adamas_bucket_centers(torch.tensor([[-10.0, 0.0, 10.0]]))
+    q = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+    assert adamas_ip_scores_reference(q, kw, cen, 4).tolist() == [[[-10.0]]]
+    assert code_ip_scores(q.to(DEV), kw.to(DEV), cen, 1, 4).tolist() == [[[-10.0]]]
+
+
+@pytest.mark.parametrize("bits,D,G,pool", [(2, 128, 4, None), (2, 128, 4, "sum"), (2, 64, 1, None), (1, 128, 2, None),
+                                           (3, 80, 3, "sum"), (2, 20, 3, None), (2, 8, 2, "sum")])
+def test_code_ip_scores_match_reference(bits, D, G, pool):
+    """Every code width and GQA group, a cache sliced past a sink, padding words (D not a multiple of the codes per
+    word) and a key count that is not a multiple of the block: the kernel equals the fp32 reference to fp32
+    rounding (the query is split into two fp16 parts for the tensor-core dots)."""
+    B, Hkv, Lmax, length, s = 2, 2, 300, 261, 3
+    kw = _random_words((B, Hkv, Lmax), D, bits, seed=D + bits).to(DEV)[:, :, s:]
+    cen = adamas_bucket_centers(_thresholds(bits, Hkv, seed=bits, scale=3.0))
+    q = (torch.randn(B, Hkv * G, 1, D, generator=_gen(D)) * 4).to(DEV)
+    out = code_ip_scores(q, kw, cen, length, D, bits, pool=pool)
+    ref = adamas_ip_scores_reference(q[:, :, 0].cpu(), kw[:, :, :length].cpu(), cen, D, bits, pool=pool)
+    assert out.shape == ref.shape == (B, Hkv if pool else Hkv * G, length) and out.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-6 * float(ref.abs().max()), rtol=0)
+
+
+def test_code_ip_scores_reject_bad_input():
+    kw = _random_words((1, 2, 10), 64, 2)
+    cen = adamas_bucket_centers(_thresholds(2, 2))
+    q = torch.randn(1, 4, 64)
+    for args, kwargs, msg in [((q[..., :32], kw, cen, 10, 64), {}, "q must be"),
+                              ((q, kw, cen[:1], 10, 64), {}, "centers must be"),
+                              ((q[:, :3], kw, cen, 10, 64), {}, "not a multiple"),
+                              ((q, kw, cen, 11, 64), {}, "outside the key buffer"),
+                              ((q, kw, cen, 10, 64), {"pool": "min"}, "pool must be"),
+                              ((q, kw.int(), cen, 10, 64), {}, "int16")]:
+        with pytest.raises(ValueError, match=msg):
+            code_ip_scores(*args, **kwargs)
+    assert code_ip_scores(q, kw, cen, 0, 64).shape == (1, 4, 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # GPU only: bf16 (the interpreter cannot do bf16) at a real shape
 
 
@@ -388,3 +448,26 @@ def test_gpu_distance_lane_paths(bits):
         qw = adamas_pack_reference(torch.full((1, 2, D), 3, dtype=torch.uint8), 2).cuda()
         kw = adamas_pack_reference(torch.tensor([0, 3, 1], dtype=torch.uint8).view(1, 1, 3, 1).expand(1, 1, 3, D), 2)
         assert code_distance(qw, kw.cuda(), 3, D).view(2, 3).tolist() == [[3 * D, 0, 2 * D]] * 2
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 needs a GPU (the Triton interpreter cannot do bf16)")
+def test_gpu_ip_scores_real_shape():
+    """llama3-8b's shape (8 KV heads x 4, D 128), a bf16 query, 4099 keys written by quantize_pack: the kernel
+    equals the reference and its top-k equals the reference's (the float top-k's exact path)."""
+    from sparsekv.kernels.topk import topk
+
+    B, Hkv, G, L, D = 1, 8, 4, 4099, 128
+    x = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16)
+    th = _thresholds(2, Hkv).cuda()
+    words = quantize_pack(x, th, 2)
+    q = (torch.randn(B, Hkv * G, 1, D, device="cuda", dtype=torch.bfloat16).float() @
+         hadamard_matrix(D, torch.float32, "cuda"))
+    cen = adamas_bucket_centers(th)
+    for pool in (None, "sum"):
+        out = code_ip_scores(q, words, cen, L, D, pool=pool)
+        ref = adamas_ip_scores_reference(q, words, cen, D, pool=pool)
+        torch.testing.assert_close(out, ref, atol=2e-6 * float(ref.abs().max()), rtol=0)
+        got = topk(out.view(-1, L), 255).tolist()
+        want = torch.topk(ref.view(-1, L), 255).indices.tolist()
+        same = sum(len(set(a) & set(b)) for a, b in zip(got, want)) / (255 * len(got))
+        assert same > 0.99  # rounding-level differences may swap a key at the cut

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import SparseKVError
-from ..methods import REGISTRY, get_method, method_names
+from ..methods import REGISTRY, check_options_used, get_method, method_names, options_for
 from ..selection import resolve_budget
 from .decode_step import DENSE_BASELINES, DecodeBench, kernel_backends
 from .floor import copy_bandwidth, floor_us
@@ -33,11 +33,13 @@ PROTOCOL = ("one decode step of one layer on random K/V (torch.randn): write the
 def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget: float | Iterable[float],
               batch: int = 1, dtype: str | torch.dtype = "bf16", device: str = "auto",
               sweep: bool | Iterable[int] | None = None, *, sink: int | None = None, window: int | None = None,
-              pooling: str | None = None, require_gpu: bool = False, topk: bool = True, seed: int = 0,
-              progress: Callable[[str], None] | None = None) -> dict:
+              pooling: str | None = None, method_options: dict | None = None, require_gpu: bool = False,
+              topk: bool = True, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
     """Time one decode step of one layer for each method; see PROTOCOL. `methods`: registry names, plus `dense`
     (= the two dense baselines `sdpa` and `flashdecode`, which may also be named alone). `budget`: token count(s)
-    or fraction(s) of the context, as `--budget`. `sweep`: True for 8K..512K (what fits in memory), or a list."""
+    or fraction(s) of the context, as `--budget`. `sweep`: True for 8K..512K (what fits in memory), or a list.
+    `method_options` (e.g. {"distance": "ip"}) go to the methods whose constructor names them; one that none of
+    `methods` takes is an error."""
     say = progress or (lambda msg: None)
     shape = from_name(shape) if isinstance(shape, str) else shape
     dt = _dtype(dtype)
@@ -49,6 +51,10 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
     if batch <= 0 or seq <= 0:
         raise SparseKVError(f"--batch and --seq must be positive, got batch {batch}, seq {seq}")
     options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling}.items() if v is not None}
+    extra = {k: v for k, v in (method_options or {}).items() if v is not None}
+    if extra:
+        check_options_used([n for n in names if n not in DENSE_BASELINES], extra)
+        options.update(extra)
     itemsize = torch.empty((), dtype=dt).element_size()
 
     seqs = _seqs(seq, sweep, shape, batch, itemsize, dev, notes)
@@ -75,7 +81,7 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
             for b in cells.get(L, []):
                 for name in (n for n in names if n not in DENSE_BASELINES):
                     say(f"seq {L}: {name} at budget {b:g}")
-                    rows.append(dict(bench.method_row(name, b, options), budget=b))
+                    rows.append(dict(bench.method_row(name, b, options_for(name, options)), budget=b))
                 if topk:
                     k = resolve_budget(b, L) - (sink or 0) - (window or 0)
                     if k > 0:
@@ -197,7 +203,7 @@ def _cells(seqs: list[int], budgets: list[float], names: list[str], options: dic
     cell is skipped."""
     sparse = [n for n in names if n not in DENSE_BASELINES]
     for n in sparse:
-        get_method(n, budget=budgets[0], **options)  # rejects unknown options and bad pooling up front
+        get_method(n, budget=budgets[0], **options_for(n, options))  # rejects bad values and pooling up front
     cells: dict[int, list[float]] = {}
     carve = (options.get("sink") or 0) + (options.get("window") or 0)
     for L in seqs:

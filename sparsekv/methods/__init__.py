@@ -1,5 +1,7 @@
 """Methods: one file each, registered by name. `get_method("oracle", budget=64)` builds one."""
 
-from .base import REGISTRY, CacheShape, LayerState, Method, get_method, method_names, register
+from .base import (REGISTRY, CacheShape, LayerState, Method, check_options_used, get_method, method_names, options_for,
+                   register)
 
-__all__ = ["REGISTRY", "CacheShape", "LayerState", "Method", "get_method", "method_names", "register"]
+__all__ = ["REGISTRY", "CacheShape", "LayerState", "Method", "check_options_used", "get_method", "method_names",
+           "options_for", "register"]

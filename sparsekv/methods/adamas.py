@@ -32,8 +32,9 @@ from typing import Any, Sequence
 
 import torch
 
-from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_distance_reference,
-                                        adamas_pack_reference, hadamard_matrix)
+from sparsekv.kernels.reference import (adamas_bucket_centers, adamas_bucketize_reference,
+                                        adamas_distance_reference, adamas_ip_scores_reference, adamas_pack_reference,
+                                        hadamard_matrix)
 
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
@@ -42,7 +43,8 @@ from ..sparse_attention import use_kernels
 from .base import CacheShape, LayerState, Method, register
 
 FIXED_THRESHOLDS = {1: (0.0,), 2: (-10.0, 0.0, 10.0), 3: (-15.0, -10.0, -5.0, 0.0, 5.0, 10.0, 15.0)}
-DISTANCES = ("l1", "l2")
+CODE_DISTANCES = ("l1", "l2")  # between the query's codes and the keys' (the paper: l1)
+DISTANCES = CODE_DISTANCES + ("ip",)  # ip: the query itself against the keys' bucket centers (asymmetric)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class AdamasState(LayerState):
     codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, W]: packed codes of every key, valid up to length
     thresholds: torch.Tensor | None = None  # fp32 [Hkv, 2^bits - 1]: this layer's B1..B3 per KV head, for keys
     q_thresholds: torch.Tensor | None = None  # the same for its group's queries (the keys' unless calibrated apart)
+    centers: torch.Tensor | None = None  # fp32 [Hkv, 2^bits]: each key bucket's value, for distance "ip"
 
 
 @register
@@ -90,7 +93,7 @@ class Adamas(Method):
         if self.bits not in FIXED_THRESHOLDS:
             raise SparseKVError(f"adamas: bits must be 1, 2 or 3, got {self.bits}")
         if self.distance not in DISTANCES:
-            raise SparseKVError(f"adamas: unknown distance {self.distance!r}: use 'l1' or 'l2'")
+            raise SparseKVError(f"adamas: unknown distance {self.distance!r}: use 'l1', 'l2' or 'ip'")
         n = 2**self.bits - 1
         if self._table is not None:
             for what, t in (("thresholds", self._table), ("query thresholds", self._q_table)):
@@ -123,7 +126,8 @@ class Adamas(Method):
         words = adamas_pack_reference(torch.zeros(1, shape.head_dim, dtype=torch.uint8), self.bits).shape[-1]
         codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
                             device=shape.device)
-        return AdamasState(codes=codes, thresholds=thr.contiguous(), q_thresholds=q_thr.contiguous())
+        return AdamasState(codes=codes, thresholds=thr.contiguous(), q_thresholds=q_thr.contiguous(),
+                           centers=adamas_bucket_centers(thr).contiguous())
 
     def append(self, state: AdamasState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
         """Lines 1-4 for keys [B, Hkv, n, D] at positions [pos, pos + n): their codes go into the cache."""
@@ -142,6 +146,8 @@ class Adamas(Method):
             return Selection(state.length, dense=True)
         D = q.shape[-1]
         lo, hi = split.sink, state.length - split.window
+        if self.distance == "ip":
+            return topk_selection(self.ip_scores(state, q, lo, hi), split, state.length)
         if use_kernels(q.device):
             from sparsekv.kernels.adamas import code_scores, quantize_pack
 
@@ -157,6 +163,20 @@ class Adamas(Method):
                                              metric=self.distance)
             scores = pool_scores(-dist.float(), state.codes.shape[1], self.pooling)  # closer codes score higher
         return topk_selection(scores, split, state.length)
+
+    def ip_scores(self, state: AdamasState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Distance "ip": the query (Hadamard-transformed, not quantized) against the codes of keys [lo, hi) read as
+        their buckets' centers, q · c[code(k)] ~ q · k; [B, H, hi - lo], pooled as configured (the group's sum)."""
+        B, Hq, _, D = q.shape
+        qh = q[:, :, 0].float()
+        if self.hadamard:
+            qh = qh @ hadamard_for(D, q.device)
+        pool = "sum" if self.pooling == "group" else None
+        if use_kernels(q.device):
+            from sparsekv.kernels.adamas import code_ip_scores
+
+            return code_ip_scores(qh, state.codes[:, :, lo:], state.centers, hi - lo, D, self.bits, pool=pool)
+        return adamas_ip_scores_reference(qh, state.codes[:, :, lo:hi], state.centers, D, self.bits, pool=pool)
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:

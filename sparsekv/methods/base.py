@@ -6,6 +6,7 @@ branch on method names. A method implements its own maths and nothing the runtim
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -113,3 +114,22 @@ def get_method(name: str, **cfg: Any) -> Method:
     if name not in REGISTRY:
         raise SparseKVError(f"unknown method {name!r}; available: {', '.join(names)}")
     return REGISTRY[name](**cfg)
+
+
+def options_for(method: str, options: dict) -> dict:
+    """The options a run of `method` gets from a command line's: dense takes none; method-specific ones (artifact,
+    bits, distance, ...) go only to the methods whose constructor names them."""
+    if method == "dense":
+        return {}
+    method_names()
+    accepts = inspect.signature(REGISTRY[method].__init__).parameters
+    return {k: v for k, v in options.items() if k in accepts}
+
+
+def check_options_used(methods: list[str], options: dict) -> None:
+    """An option no method in the grid takes is a mistake to report, not to drop silently."""
+    used = set().union(*(options_for(m, options) for m in methods)) if methods else set()
+    unused = sorted(set(options) - used)
+    if unused:
+        raise SparseKVError(f"option(s) {', '.join('--' + u for u in unused)} apply to none of the methods "
+                            f"{', '.join(methods)}")
