@@ -460,7 +460,7 @@ def test_gpu_ip_scores_real_shape():
     x = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16)
     th = _thresholds(2, Hkv).cuda()
     words = quantize_pack(x, th, 2)
-    q = (torch.randn(B, Hkv * G, 1, D, device="cuda", dtype=torch.bfloat16).float() @
+    q = (torch.randn(B, Hkv * G, D, device="cuda", dtype=torch.bfloat16).float() @
          hadamard_matrix(D, torch.float32, "cuda"))
     cen = adamas_bucket_centers(th)
     for pool in (None, "sum"):
