@@ -17,6 +17,12 @@ Defaults and where they come from:
 - sink 0, window 1: the authors' decode kernel (page size 1) always attends the last page, i.e. the newest token,
   and picks the other budget - 1 keys by distance; there is no attention sink. The budget counts all of them.
 - The authors keep layers 0 and 1 dense (`skip_layer = 2`); here that is the runtime's `--dense-layers 0,1`.
+Distance "ip" (ours, not in the paper): the query is Hadamard-transformed but not quantized, and each key's codes are
+read as their buckets' midpoints (kernels/reference.py::adamas_bucket_centers of the key thresholds): the score
+q · c[code(k)] estimates q · k, where the L1 distance between two codes only compares their signs and rough sizes. Same
+codes, same cache, nothing more to fit; the query thresholds go unused. On SmolLM2 (results/eval-smollm2.md,
+session 14): exact top-64 recall 0.665 against 0.479, and dense-level passkey and RULER NIAH 4K at budget 64; its
+kernel (kernels/adamas.py::code_ip_scores) costs 80 against 23 µs per layer at 131072 tokens on the H100.
 GQA: the query heads of a group use their KV head's thresholds. Pooling "head", the default, chooses per query head,
 as the authors' repeat_kv implementation does (and as `sparsekv calibrate` fits: each query head's own top-k); "group"
 sums the group's negated distances and makes one choice per KV head, which reads fewer keys but ranks worse: on
@@ -58,7 +64,7 @@ class AdamasState(LayerState):
 @register
 class Adamas(Method):
     name = "adamas"
-    summary = "Hadamard + 2-bit codes, L1 distance -> top-k tokens (Adamas)"
+    summary = "Hadamard + 2-bit codes, L1 distance (or the query against the codes: ip) -> top-k tokens (Adamas)"
     default_sink = 0
     default_window = 1
     default_pooling = "head"  # the authors' repeat_kv: every query head picks its own keys (docstring, GQA)
