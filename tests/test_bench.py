@@ -100,6 +100,18 @@ def test_bad_config_is_a_sparsekv_error(kwargs, message):
         run_bench(**{**args, **kwargs})
 
 
+def test_method_options_go_to_the_methods_that_take_them():
+    r = run_bench("smollm2-135m", 512, "dense,adamas,streaming", [64], dtype="fp32", device="cpu", topk=False,
+                  method_options={"distance": "ip"})
+    rows = {x["method"]: x for x in r["rows"]}
+    assert rows["adamas"]["method_config"]["distance"] == "ip" and "distance" not in rows["streaming"]["method_config"]
+    for methods in ("dense,oracle", "sdpa"):
+        with pytest.raises(SparseKVError, match="--distance apply to none of the methods"):
+            run_bench("smollm2-135m", 512, methods, [64], dtype="fp32", device="cpu", method_options={"distance": "ip"})
+    with pytest.raises(SparseKVError, match="unknown distance 'cos'"):
+        run_bench("smollm2-135m", 512, "adamas", [64], dtype="fp32", device="cpu", method_options={"distance": "cos"})
+
+
 def test_shape_presets():
     s = from_name("llama3-8b")
     assert (s.q_heads, s.kv_heads, s.head_dim) == (32, 8, 128)
@@ -128,6 +140,7 @@ def test_cli_writes_json(tmp_path):
     (["--budget", "4096"], "larger than the context"),
     (["--shape", "llama9"], "unknown shape 'llama9'"),
     (["--methods", "dense,bogus"], "unknown method 'bogus'"),
+    (["--methods", "dense,oracle", "--distance", "ip"], "--distance apply to none of the methods"),
 ])
 def test_cli_bad_input_is_one_line(args, message):
     r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--dtype", "fp32", *args)

@@ -17,10 +17,10 @@ Defaults and where they come from:
 - sink 0, window 1: the authors' decode kernel (page size 1) always attends the last page, i.e. the newest token,
   and picks the other budget - 1 keys by distance; there is no attention sink. The budget counts all of them.
 - The authors keep layers 0 and 1 dense (`skip_layer = 2`); here that is the runtime's `--dense-layers 0,1`.
-Distance "ip" (ours, not in the paper): the query is Hadamard-transformed but not quantized, and each key's codes are
-read as their buckets' midpoints (kernels/reference.py::adamas_bucket_centers of the key thresholds): the score
-q · c[code(k)] estimates q · k, where the L1 distance between two codes only compares their signs and rough sizes. Same
-codes, same cache, nothing more to fit; the query thresholds go unused. On SmolLM2 (results/eval-smollm2.md,
+Distance "ip" (ours, not in the paper): the query is Hadamard-transformed but not quantized, and each key's codes
+are read as their buckets' midpoints (kernels/reference.py::adamas_bucket_centers of the key thresholds): the score
+q · c[code(k)] estimates q · k, where the L1 distance between two codes only compares their signs and rough sizes.
+Same codes, same cache, nothing more to fit; the query thresholds go unused. On SmolLM2 (results/eval-smollm2.md,
 session 14): exact top-64 recall 0.665 against 0.479, and dense-level passkey and RULER NIAH 4K at budget 64; its
 kernel (kernels/adamas.py::code_ip_scores) costs 80 against 23 µs per layer at 131072 tokens on the H100.
 GQA: the query heads of a group use their KV head's thresholds. Pooling "head", the default, chooses per query head,
@@ -173,7 +173,7 @@ class Adamas(Method):
     def ip_scores(self, state: AdamasState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Distance "ip": the query (Hadamard-transformed, not quantized) against the codes of keys [lo, hi) read as
         their buckets' centers, q · c[code(k)] ~ q · k; [B, H, hi - lo], pooled as configured (the group's sum)."""
-        B, Hq, _, D = q.shape
+        D = q.shape[-1]
         qh = q[:, :, 0].float()
         if self.hadamard:
             qh = qh @ hadamard_for(D, q.device)
