@@ -453,7 +453,8 @@ def test_gpu_distance_lane_paths(bits):
 @pytest.mark.skipif(not CUDA, reason="bf16 needs a GPU (the Triton interpreter cannot do bf16)")
 def test_gpu_ip_scores_real_shape():
     """llama3-8b's shape (8 KV heads x 4, D 128), a bf16 query, 4099 keys written by quantize_pack: the kernel
-    equals the reference and its top-k equals the reference's (the float top-k's exact path)."""
+    equals the reference to fp32 rounding, and our top-k of its scores keeps > 99 % of the reference's top-255 (a
+    rounding-level difference may swap a key at the cut)."""
     from sparsekv.kernels.topk import topk
 
     B, Hkv, G, L, D = 1, 8, 4, 4099, 128
