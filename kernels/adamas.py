@@ -386,6 +386,16 @@ def _as_lanes(words: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Te
         return None
 
 
+def _kv_heads(Hq: int, k_words: torch.Tensor, length: int) -> int:
+    """The KV heads of k_words [B, Hkv, Lmax, W], checked against Hq query heads (GQA groups) and `length` keys."""
+    Hkv = k_words.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if not 0 <= length <= k_words.shape[2]:
+        raise ValueError(f"length {length} is outside the key buffer's {k_words.shape[2]} slots")
+    return Hkv
+
+
 def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps,
                      popc=None):
     """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype.
@@ -405,11 +415,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     if k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W or Wq != W:
         raise ValueError(f"expected q_words [B, Hq, {W}] and k_words [B, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
                          f"got {tuple(q_words.shape)} and {tuple(k_words.shape)}")
-    Hkv = k_words.shape[1]
-    if Hq % Hkv:
-        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
-    if not 0 <= length <= k_words.shape[2]:
-        raise ValueError(f"length {length} is outside the key buffer's {k_words.shape[2]} slots")
+    Hkv = _kv_heads(Hq, k_words, length)
     G = Hq // Hkv
     H_out = Hkv if pool is not None else Hq
     out = torch.empty(B, H_out, length, dtype=out_dtype, device=q_words.device)
@@ -570,15 +576,11 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
     if k_words.dtype != torch.int16 or k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W:
         raise ValueError(f"k_words must be int16 [{B}, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
                          f"got {k_words.dtype} {tuple(k_words.shape)}")
-    Hkv = k_words.shape[1]
-    if Hq % Hkv:
-        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    Hkv = _kv_heads(Hq, k_words, length)
     if tuple(centers.shape) != (Hkv, 1 << bits):
         raise ValueError(f"centers must be [{Hkv}, {1 << bits}], got {tuple(centers.shape)}")
     if pool not in (None, "sum"):
         raise ValueError(f"pool must be None or 'sum', got {pool!r}")
-    if not 0 <= length <= k_words.shape[2]:
-        raise ValueError(f"length {length} is outside the key buffer's {k_words.shape[2]} slots")
     qf = q.float()
     if pool == "sum":
         qf = qf.view(B, Hkv, Hq // Hkv, d).sum(2)

@@ -52,13 +52,8 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
         raise SparseKVError(f"--batch and --seq must be positive, got batch {batch}, seq {seq}")
     options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling}.items() if v is not None}
     extra = {k: v for k, v in (method_options or {}).items() if v is not None}
-    if extra:
-        sparse = [n for n in names if n not in DENSE_BASELINES]
-        if not sparse:
-            raise SparseKVError(f"option(s) {', '.join('--' + k for k in sorted(extra))} apply to none of the methods "
-                                f"{', '.join(names)}")
-        check_options_used(sparse, extra)
-        options.update(extra)
+    check_options_used(names, extra)
+    options.update(extra)
     itemsize = torch.empty((), dtype=dt).element_size()
 
     seqs = _seqs(seq, sweep, shape, batch, itemsize, dev, notes)
