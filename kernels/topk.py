@@ -79,6 +79,9 @@ loop bound by dependent-instruction latency at 8 warps (a quarter of its samples
 by memory, and L2-cold traces put the bound at 9.8 us (likely the sample's HBM reads queued behind the first tiles).
 Measured and dropped: every program computing the bound, deeper prefetch, counts in the ticket, and per-program bounds
 from sub-samples (28.2 us on this shape with 32-score sample groups; slower on 32 x 32768 and k 8192 with 8-score ones).
+Session 15 (`results/topk-histogram-search-h100-session15.json`, patch beside it): the bound's and the select's searches
+by tl.histogram (254 equal bins a round; Triton lowers it to a ballot per bin bit per value): 43.0 us, the select's
+alone 33.5; two programs per SM 34.1; 4096- / 1024-score tiles 32.4 / 35.5 (this kernel: 29.7-29.8 in the same runs).
 """
 
 from __future__ import annotations
