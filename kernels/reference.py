@@ -256,18 +256,17 @@ def adamas_bucket_centers(thresholds: torch.Tensor) -> torch.Tensor:
     inf = torch.full_like(t[..., :1], float("inf"))
     lo, hi = torch.cat([-inf, t], -1), torch.cat([t, inf], -1)  # bucket edges [..., T + 1]
     fin_lo, fin_hi = torch.isfinite(lo), torch.isfinite(hi)
-    width = torch.where(fin_lo & fin_hi, hi - lo, torch.full_like(lo, float("nan")))
+    finite = fin_lo & fin_hi  # buckets with two finite edges
+    finite_w = torch.where(finite, hi - lo, torch.zeros_like(lo))
     # the outer buckets' nearest finite buckets are the first / last finite ones; with none, width 1
-    finite_w = torch.where(torch.isnan(width), torch.zeros_like(width), width)
-    finite = ~torch.isnan(width)
-    idx = torch.arange(T + 1, device=t.device).expand_as(width)
+    idx = torch.arange(T + 1, device=t.device).expand_as(lo)
     first = torch.where(finite, idx, torch.full_like(idx, T + 1)).amin(-1, keepdim=True)
     last = torch.where(finite, idx, torch.full_like(idx, -1)).amax(-1, keepdim=True)
     has = last >= 0
     w_first = torch.where(has, finite_w.gather(-1, first.clamp(max=T)), torch.ones_like(first, dtype=t.dtype))
     w_last = torch.where(has, finite_w.gather(-1, last.clamp(min=0)), torch.ones_like(last, dtype=t.dtype))
     center = torch.zeros_like(lo)
-    center = torch.where(fin_lo & fin_hi, (lo + hi) / 2, center)
+    center = torch.where(finite, (lo + hi) / 2, center)
     center = torch.where(~fin_lo & fin_hi, hi - w_first / 2, center)
     center = torch.where(fin_lo & ~fin_hi, lo + w_last / 2, center)
     return center

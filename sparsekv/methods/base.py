@@ -120,7 +120,7 @@ def options_for(method: str, options: dict) -> dict:
     """The options a run of `method` gets from a command line's: dense (and the bench's dense baselines, which are
     not registered methods) take none; method-specific ones (artifact, bits, distance, ...) go only to the methods
     whose constructor names them. Names are checked before this, by the caller."""
-    method_names()
+    method_names()  # fills REGISTRY
     if method == "dense" or method not in REGISTRY:
         return {}
     accepts = inspect.signature(REGISTRY[method].__init__).parameters
