@@ -282,6 +282,8 @@ def eval_cmd(
     bits: Annotated[Optional[int], typer.Option(help="adamas ablation: code bits 1, 2 or 3")] = None,
     distance: Annotated[Optional[str], typer.Option(help="adamas: code distance l1 (the paper) or l2, or ip: the "
                                                     "query itself against the key codes' bucket centers")] = None,
+    rerank: Annotated[Optional[int], typer.Option(help="adamas: the codes pick this many times the budget's keys "
+                                                  "and their exact q·k keeps the budget (1 = off)")] = None,
     page_size: Annotated[Optional[int], typer.Option(help="quest: tokens per page")] = None,
     nbits: Annotated[Optional[int], typer.Option(help="lsh: hash bits per key")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here (passkey/ruler also save "
@@ -317,7 +319,7 @@ def eval_cmd(
     layers = tuple(_csv(dense_layers, int, "dense-layers"))
     options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling,
                                  "artifact": None if artifact is None else str(artifact), "hadamard": hadamard,
-                                 "bits": bits, "distance": distance, "page_size": page_size,
+                                 "bits": bits, "distance": distance, "rerank": rerank, "page_size": page_size,
                                  "nbits": nbits}.items() if v is not None}
     if task == "ppl" and (text_file is None) == (dataset is None):
         raise SparseKVError("--task ppl needs exactly one of --text-file or --dataset")
@@ -551,6 +553,8 @@ def bench(
     pooling: PoolingOpt = None,
     distance: Annotated[Optional[str], typer.Option(help="adamas: l1 (the paper), l2, or ip (the query against "
                                                     "the key codes' bucket centers)")] = None,
+    rerank: Annotated[Optional[int], typer.Option(help="adamas: the codes pick this many times the budget's keys "
+                                                  "and their exact q·k keeps the budget (1 = off)")] = None,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,
@@ -581,7 +585,7 @@ def bench(
     with console.status("bench ...") as status:
         result = run_bench(the_shape, seq, methods, budgets, batch=batch, dtype=dtype, device=device,
                            sweep=True if sweep else None, sink=sink, window=window, pooling=pooling,
-                           method_options={"distance": distance}, require_gpu=require_gpu, topk=topk,
+                           method_options={"distance": distance, "rerank": rerank}, require_gpu=require_gpu, topk=topk,
                            progress=lambda msg: status.update(f"bench: {msg}"))
     out = console if console.is_terminal else Console(width=160)  # logs and pipes get whole columns, not 80
     out.print(rows_table(result))

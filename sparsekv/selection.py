@@ -148,6 +148,27 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
     return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink, padded=False)
 
 
+def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int) -> Selection:
+    """Keep the k of `sel`'s token indices [B, H, m] whose exact scores against the cached keys [B, Hkv, L, D] are
+    highest: q [B, Hq, 1, D] · k per query head (H = Hq), or the group's summed softmax over the m candidates (H =
+    Hkv, as the oracle pools). A method's cheap score picks m = rerank x k candidates, this re-ranks them by reading
+    m full keys per selection head (--rerank). With every key a candidate it is the oracle's choice."""
+    idx = sel.indices
+    if idx is None or idx.shape[-1] <= k:
+        return sel
+    B, Hq, _, D = q.shape
+    Hkv, H = keys.shape[1], idx.shape[1]
+    b = torch.arange(B, device=idx.device).view(B, 1, 1)
+    if H == Hq:
+        kv = (torch.arange(Hq, device=idx.device) // (Hq // Hkv)).view(1, Hq, 1)
+        scores = torch.einsum("bhd,bhmd->bhm", q[:, :, 0].float(), keys[b, kv, idx].float())
+    else:
+        logits = torch.einsum("bhgd,bhmd->bhgm", q.float().view(B, Hkv, Hq // Hkv, D),
+                              keys[b, torch.arange(Hkv, device=idx.device).view(1, Hkv, 1), idx].float())
+        scores = torch.softmax(logits * D**-0.5, dim=-1).sum(2)
+    return Selection(sel.length, sel.sink, sel.window, indices=torch.gather(idx, 2, topk(scores, k)), padded=False)
+
+
 def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: str,
                    split: BudgetSplit, length: int) -> Selection | None:
     """The kernels' path for methods that rank keys by code distance (Adamas, LSH): the k = split.k keys of

@@ -159,15 +159,89 @@ def test_ip_runs_in_the_runtime(tiny, prompt_ids):
     assert d.tokens == e.tokens and all(torch.equal(x, y) for x, y in zip(d.logits, e.logits))
 
 
+def _random_state(method, seed=0, B=2, Hkv=2, Hq=4, L=40, D=16, device="cpu"):
+    """A filled Adamas state of random keys (fixed thresholds) and a query, fp32."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, L, D, generator=g).to(device)
+    st = method.new_state(0, CacheShape(B, Hkv, Hq, D, L, torch.float32, torch.device(device)))
+    st.keys, st.values = k.clone(), k.clone()
+    method.append(st, k, k, None, 0)
+    st.length = L
+    return st, torch.randn(B, Hq, 1, D, generator=g).to(device)
+
+
+def _sets(sel):
+    return [[sorted(r) for r in b] for b in sel.indices.tolist()]
+
+
+@pytest.mark.parametrize("pooling", ["head", "group"])
+@pytest.mark.parametrize("distance", ["l1", "ip"])
+def test_rerank_of_every_key_is_the_oracle(pooling, distance):
+    """rerank x k >= the keys in range: every key is a candidate, so the exact re-rank makes the oracle's choice."""
+    opts = dict(budget=8, sink=2, window=3, pooling=pooling)
+    ada = get_method("adamas", thresholds=(-0.5, 0, 0.5), distance=distance, rerank=20, **opts)
+    st, q = _random_state(ada)
+    oracle = get_method("oracle", **opts).select(st, q, None)
+    sel = ada.select(st, q, None)
+    assert sel.indices.shape[-1] == 3 and (sel.sink, sel.window) == (2, 3)
+    assert _sets(sel) == _sets(oracle)
+
+
+@pytest.mark.parametrize("pooling", ["head", "group"])
+def test_rerank_keeps_k_of_the_wider_choice(pooling):
+    """rerank F: the k kept are among the F x k the codes pick, have the highest exact scores there, and differ
+    from the codes' own top k on random keys; F = 1 is the plain selection."""
+    kw = dict(budget=7, thresholds=(-0.5, 0, 0.5), distance="ip", pooling=pooling)
+    plain, wide, rr = (get_method("adamas", **kw), get_method("adamas", **{**kw, "budget": 19}),
+                       get_method("adamas", rerank=3, **kw))
+    st, q = _random_state(plain, seed=3)
+    a, w, r = plain.select(st, q, None), wide.select(st, q, None), rr.select(st, q, None)
+    assert _sets(get_method("adamas", rerank=1, **kw).select(st, q, None)) == _sets(a)
+    assert r.indices.shape[-1] == 6 and w.indices.shape[-1] == 18
+    assert all(set(x) <= set(y) for rb, wb in zip(_sets(r), _sets(w)) for x, y in zip(rb, wb))
+    assert _sets(r) != _sets(a)
+    B, Hq, Hkv = q.shape[0], q.shape[1], st.keys.shape[1]
+    if pooling == "head":  # the kept keys' exact scores are the candidates' top 6
+        kv = torch.arange(Hq) // (Hq // Hkv)
+        for b in range(B):
+            for h in range(Hq):
+                s = st.keys[b, kv[h]] @ q[b, h, 0]
+                cand = w.indices[b, h]
+                assert sorted(r.indices[b, h].tolist()) == sorted(cand[s[cand].topk(6).indices].tolist())
+    assert get_method("adamas", rerank=3, **kw).config()["rerank"] == 3
+
+
+@interpreter_only
+def test_rerank_kernel_path_selects_the_same(monkeypatch):
+    ada = get_method("adamas", budget=7, thresholds=(-0.5, 0, 0.5), distance="ip", rerank=3)
+    st, q = _random_state(ada, seed=3)
+    ref = ada.select(st, q, None)
+    monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    st, q = _random_state(ada, seed=3)
+    assert _sets(ada.select(st, q, None)) == _sets(ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("pooling", ["head", "group"])
+def test_gpu_rerank_selects_as_the_cpu(pooling):
+    """The kernels' path (ip scores, the fused top-k, the re-rank's gather and top-k) on CUDA against the CPU path."""
+    kw = dict(budget=64, thresholds=(-0.5, 0, 0.5), distance="ip", rerank=4, pooling=pooling)
+    ada = get_method("adamas", **kw)
+    sets = [_sets(ada.select(*_random_state(ada, seed=5, B=2, Hkv=2, Hq=8, L=3000, D=128, device=dev), None))
+            for dev in ("cpu", "cuda")]
+    assert sets[0] == sets[1]
+
+
 def test_defaults_and_bad_options():
     cfg = get_method("adamas", budget=64).config()
     assert cfg["thresholds"] == [-10.0, 0.0, 10.0] and (cfg["sink"], cfg["window"]) == (0, 1)
-    assert (cfg["hadamard"], cfg["bits"], cfg["distance"]) == (True, 2, "l1")
+    assert (cfg["hadamard"], cfg["bits"], cfg["distance"], cfg["rerank"]) == (True, 2, "l1", 1)
     for bits in (1, 3):  # more bits refine the 2-bit codes: their thresholds contain the 2-bit ones
         assert set(FIXED_THRESHOLDS[bits]) <= set(FIXED_THRESHOLDS[3])
     for opts, msg in [({"bits": 4}, "bits must be 1, 2 or 3"), ({"distance": "cos"}, "unknown distance"),
                       ({"thresholds": (1, 0, 2)}, "non-decreasing"), ({"thresholds": (0, 1)}, "must have 3"),
-                      ({"thresholds": (0, math.nan, 1)}, "NaN")]:
+                      ({"thresholds": (0, math.nan, 1)}, "NaN"), ({"rerank": 0}, "rerank must be"),
+                      ({"rerank": 1.5}, "rerank must be"), ({"rerank": True}, "rerank must be")]:
         with pytest.raises(SparseKVError, match=msg):
             get_method("adamas", budget=8, **opts)
     with pytest.raises(SparseKVError, match="head dim 10"):

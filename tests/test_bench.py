@@ -141,6 +141,8 @@ def test_cli_writes_json(tmp_path):
     (["--shape", "llama9"], "unknown shape 'llama9'"),
     (["--methods", "dense,bogus"], "unknown method 'bogus'"),
     (["--methods", "dense,oracle", "--distance", "ip"], "--distance apply to none of the methods"),
+    (["--methods", "dense,oracle", "--rerank", "4"], "--rerank apply to none of the methods"),
+    (["--methods", "dense,adamas", "--rerank", "0"], "rerank must be a whole number >= 1"),
 ])
 def test_cli_bad_input_is_one_line(args, message):
     r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--dtype", "fp32", *args)
@@ -168,3 +170,17 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     with pytest.raises(SparseKVError, match=r"needs matplotlib: pip install 'sparsekv\[plot\]'"):
         require_matplotlib()
+
+
+def test_rerank_bytes_count_the_gathered_keys():
+    """adamas --rerank F reads F x k candidate keys per selection head on top of its codes (the probe counts the
+    gather's elements, not the whole K cache)."""
+    kw = dict(dtype="fp32", device="cpu", topk=False, pooling="head")
+    rows = [run_bench("smollm2-135m", 1024, "adamas", [64], method_options=o, **kw)["rows"][0]
+            for o in ({"distance": "ip"}, {"distance": "ip", "rerank": 4})]
+    k = 64 - 1  # window 1 (the paper's default), no sink
+    n, words = 1024 - 1, D // 8  # middle keys; int16 words of 8 two-bit codes
+    assert rows[0]["bytes"]["select"] == HKV * n * words * 2 + HKV * 4 * F32  # the codes, and the bucket centers once
+    assert rows[1]["method_config"]["rerank"] == 4 and rows[1]["selected"] == k
+    assert rows[1]["bytes"]["select"] - rows[0]["bytes"]["select"] == shape.q_heads * 4 * k * D * F32
+    assert rows[1]["bytes"]["kv"] == rows[0]["bytes"]["kv"]

@@ -3,7 +3,7 @@
 Three parts, all counted at the cache's dtype:
 - `kv`: K and V of every attended key, once per selection head (a KV head serves its whole GQA group);
 - `select`: the persistent state `select` reads: the method's index (codes, hashes, segment means, ...) or, for
-  exact scoring (oracle), the keys themselves. Measured by running `select` once on the torch path under a
+  exact scoring (oracle), the keys themselves (a gather, such as an exact re-rank's, counts the keys it takes). Measured by running `select` once on the torch path under a
   dispatch mode that records which slices of the state's tensors its ops read (a method may instead define
   `select_bytes(state, sel) -> int`);
 - `scores`: the fp32 score row the top-k ranks (one per candidate: token, block or bucket), written once and read
@@ -86,25 +86,40 @@ def select_read_bytes(method, state, q: torch.Tensor, q_pre: torch.Tensor | None
     return sum(probe.seen.values()), "measured: state slices read by select's torch ops"
 
 
+_GATHERS = (torch.ops.aten.index.Tensor, torch.ops.aten.gather.default, torch.ops.aten.index_select.default)
+
+
 class _ReadProbe(TorchDispatchMode):
-    """Records each distinct slice of a watched storage that a (non-view) op takes as input."""
+    """Records each distinct slice of a watched storage that a (non-view) op takes as input; a gather from one
+    (advanced indexing, gather, index_select: e.g. an exact re-rank reading its candidates' keys) counts the
+    elements it takes, not the whole source."""
 
     def __init__(self, storages: set[int]):
         super().__init__()
         self.storages, self.seen = storages, {}
 
+    def _watched(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() > 0 \
+            and t.untyped_storage().data_ptr() in self.storages
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ret = func._schema.returns
-        is_view = bool(ret) and ret[0].alias_info is not None and not ret[0].alias_info.is_write
-        if not is_view:
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() \
-                        and t.untyped_storage().data_ptr() in self.storages:
-                    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-                    unique = math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0)  # broadcasts read once
-                    self.seen[key] = unique * t.element_size()
-        return func(*args, **kwargs)
+        if bool(ret) and ret[0].alias_info is not None and not ret[0].alias_info.is_write:
+            return func(*args, **kwargs)  # a view reads nothing
+        out = func(*args, **kwargs)
+        gathered = func in _GATHERS and self._watched(args[0])
+        if gathered:  # no more than the source holds: a lookup table indexed by codes is read once
+            self.seen[("gather", len(self.seen))] = min(out.numel() * out.element_size(), _unique_bytes(args[0]))
+        for t in tree_leaves((args[1:] if gathered else args, kwargs)):
+            if self._watched(t):
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                self.seen[key] = _unique_bytes(t)
+        return out
+
+
+def _unique_bytes(t: torch.Tensor) -> int:
+    return math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0) * t.element_size()  # broadcasts read once
 
 
 def _tensors(obj, depth: int = 0):
