@@ -585,8 +585,8 @@ def bench(
     with console.status("bench ...") as status:
         result = run_bench(the_shape, seq, methods, budgets, batch=batch, dtype=dtype, device=device,
                            sweep=True if sweep else None, sink=sink, window=window, pooling=pooling,
-                           method_options={"distance": distance, "rerank": rerank}, require_gpu=require_gpu, topk=topk,
-                           progress=lambda msg: status.update(f"bench: {msg}"))
+                           method_options={"distance": distance, "rerank": rerank}, require_gpu=require_gpu,
+                           topk=topk, progress=lambda msg: status.update(f"bench: {msg}"))
     out = console if console.is_terminal else Console(width=160)  # logs and pipes get whole columns, not 80
     out.print(rows_table(result))
     t = topk_table(result)

@@ -65,7 +65,8 @@ def test_generate_runs(tmp_path):
 def test_method_options_reach_only_the_methods_that_take_them(tmp_path):
     out = tmp_path / "abl.json"
     r = sparsekv("eval", "--model", "tiny-random", "--method", "oracle,adamas", "--budget", "16", "--seq", "300",
-                 "--n", "1", "--no-hadamard", "--bits", "1", "--distance", "l2", "--rerank", "3", "--json", str(out))
+                 "--n", "1", "--no-hadamard", "--bits", "1", "--distance", "l2", "--rerank", "3",
+                 "--json", str(out))
     assert r.returncode == 0, r.stderr
     oracle, adamas = json.loads(out.read_text())
     assert "bits" not in oracle["method_config"] and "rerank" not in oracle["method_config"]

@@ -4,10 +4,10 @@
 
 Reads the niah8k groups of results/adamas-ip-smollm2-h100.json (seeds 42, 7, 1; dense and adamas ip 64 / 128),
 results/adamas-ip-niah8k-seeds2-5-smollm2-h100.json (seeds 2-5, the same rows) and
-results/adamas-ip-oracle-niah8k-smollm2-h100.json (session 16: the exact top-128 / top-256 per query head, the ip
-re-rank prototype, ip 256 and 512, the exact top-512, the re-rank at 512, on the same prompts). Each table pools the prompts that every row in it has (a group cut
-by a deadline counts its first prompts); it prints per-set scores, the pooled means, and 95 % bootstrap intervals
-(4000 resamples of prompts, paired) of row / dense and row - dense."""
+results/adamas-ip-oracle-niah8k-smollm2-h100.json (session 16, on the same prompts: the exact top-128 / 256 / 512
+per query head, ip at 256 and 512, the re-rank prototype at 128 and 512). Each table pools the prompts that every
+row in it has (a group cut by a deadline counts its first prompts); it prints per-set scores, the pooled means, and
+95 % bootstrap intervals (4000 resamples of prompts, paired) of row / dense and row - dense."""
 import json, random
 
 TABLES = (["dense", "adamas-ip-64", "adamas-ip-128"],

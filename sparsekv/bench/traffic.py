@@ -3,9 +3,9 @@
 Three parts, all counted at the cache's dtype:
 - `kv`: K and V of every attended key, once per selection head (a KV head serves its whole GQA group);
 - `select`: the persistent state `select` reads: the method's index (codes, hashes, segment means, ...) or, for
-  exact scoring (oracle), the keys themselves (a gather, such as an exact re-rank's, counts the keys it takes). Measured by running `select` once on the torch path under a
-  dispatch mode that records which slices of the state's tensors its ops read (a method may instead define
-  `select_bytes(state, sel) -> int`);
+  exact scoring (oracle), the keys themselves. Measured by running `select` once on the torch path under a
+  dispatch mode that records which slices of the state's tensors its ops read (a gather, such as an exact
+  re-rank's, counts the elements it takes); a method may instead define `select_bytes(state, sel) -> int`;
 - `scores`: the fp32 score row the top-k ranks (one per candidate: token, block or bucket), written once and read
   once.
 q, the output and the new token's writes are left out: a few KB against megabytes.
