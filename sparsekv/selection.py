@@ -148,24 +148,29 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
     return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink, padded=False)
 
 
+def exact_scores(q: torch.Tensor, keys: torch.Tensor, n_kv_heads: int, pooling: str) -> torch.Tensor:
+    """The oracle's ranking: softmax of q·k / sqrt(D) per query head, pooled as `pool_scores` does. q [B, Hq, 1, D];
+    keys [B, Hk, m, D] with Hk = the KV heads (each group's query heads score the same keys) or Hk = Hq (each query
+    head its own keys). Returns [B, H, m]."""
+    B, Hq, _, D = q.shape
+    Hk, m = keys.shape[1], keys.shape[2]
+    logits = torch.einsum("bhgd,bhmd->bhgm", q.float().view(B, Hk, Hq // Hk, D), keys.float()).reshape(B, Hq, m)
+    return pool_scores(torch.softmax(logits * D**-0.5, dim=-1), n_kv_heads, pooling)
+
+
 def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int) -> Selection:
-    """Keep the k of `sel`'s token indices [B, H, m] whose exact scores against the cached keys [B, Hkv, L, D] are
-    highest: q [B, Hq, 1, D] · k per query head (H = Hq), or the group's summed softmax over the m candidates (H =
-    Hkv, as the oracle pools). A method's cheap score picks m = rerank x k candidates, this re-ranks them by reading
-    m full keys per selection head (--rerank). With every key a candidate it is the oracle's choice."""
+    """Keep the k of `sel`'s token indices [B, H, m] that the oracle's scores (`exact_scores`) rank highest among
+    them, reading their keys from the cache [B, Hkv, L, D]: per query head (H = Hq), or per KV head by the group's
+    summed softmax over the m candidates (H = Hkv). A method's cheap score picks m = rerank x k candidates, this
+    re-ranks them by reading m full keys per selection head (--rerank). With every key a candidate it is the
+    oracle's choice."""
     idx = sel.indices
     if idx is None or idx.shape[-1] <= k:
         return sel
-    B, Hq, _, D = q.shape
-    Hkv, H = keys.shape[1], idx.shape[1]
-    b = torch.arange(B, device=idx.device).view(B, 1, 1)
-    if H == Hq:
-        kv = (torch.arange(Hq, device=idx.device) // (Hq // Hkv)).view(1, Hq, 1)
-        scores = torch.einsum("bhd,bhmd->bhm", q[:, :, 0].float(), keys[b, kv, idx].float())
-    else:
-        logits = torch.einsum("bhgd,bhmd->bhgm", q.float().view(B, Hkv, Hq // Hkv, D),
-                              keys[b, torch.arange(Hkv, device=idx.device).view(1, Hkv, 1), idx].float())
-        scores = torch.softmax(logits * D**-0.5, dim=-1).sum(2)
+    Hq, Hkv, H = q.shape[1], keys.shape[1], idx.shape[1]
+    b = torch.arange(idx.shape[0], device=idx.device).view(-1, 1, 1)
+    kv = (torch.arange(H, device=idx.device) // (H // Hkv)).view(1, H, 1)  # each selection head's KV head
+    scores = exact_scores(q, keys[b, kv, idx], Hkv, "head" if H == Hq else "group")
     return Selection(sel.length, sel.sink, sel.window, indices=torch.gather(idx, 2, topk(scores, k)), padded=False)
 
 

@@ -6,7 +6,7 @@ probabilities (the choice that keeps the most attention mass for the group); "he
 
 import torch
 
-from ..selection import Selection, pool_scores, topk_selection
+from ..selection import Selection, exact_scores, topk_selection
 from .base import LayerState, Method, register
 
 
@@ -19,11 +19,5 @@ class Oracle(Method):
         split = self.split(state.length)
         if split.dense:
             return Selection(state.length, dense=True)
-        B, Hq, _, D = q.shape
-        Hkv = state.keys.shape[1]
-        lo, hi = split.sink, state.length - split.window
-        keys = state.keys[:, :, lo:hi].float()  # [B, Hkv, n, D]
-        qg = q.float().view(B, Hkv, Hq // Hkv, D)
-        logits = torch.einsum("bhgd,bhnd->bhgn", qg, keys).reshape(B, Hq, hi - lo)
-        probs = torch.softmax(logits * D**-0.5, dim=-1)
-        return topk_selection(pool_scores(probs, Hkv, self.pooling), split, state.length)
+        keys = state.keys[:, :, split.sink : state.length - split.window]  # [B, Hkv, n, D]
+        return topk_selection(exact_scores(q, keys, keys.shape[1], self.pooling), split, state.length)
