@@ -83,6 +83,23 @@ def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 
+def qk_logits_reference(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact q·k (unscaled, fp32) [B, Hq, m] of the keys [B, Hkv, L, D] at indices [B, H, m] (H = Hkv or Hq;
+    -1 gives -inf), or of every key when indices is None. Contract of `sparse_decode.qk_logits`."""
+    B, Hq, _, D = q.shape
+    Hkv = keys.shape[1]
+    if indices is None:  # every key: no gather
+        return torch.einsum("bhgd,bhmd->bhgm", q.float().view(B, Hkv, Hq // Hkv, D), keys.float()).reshape(B, Hq, -1)
+    H, m = indices.shape[1], indices.shape[2]
+    if H not in (Hkv, Hq):
+        raise ValueError(f"indices: selection has {H} heads; expected {Hkv} (KV heads) or {Hq} (query heads)")
+    b = torch.arange(B, device=keys.device).view(B, 1, 1)
+    kv = (torch.arange(H, device=keys.device) // (H // Hkv)).view(1, H, 1)
+    k_sel = keys[b, kv, indices.clamp(min=0)].float()  # [B, H, m, D]
+    logits = torch.einsum("bhgd,bhmd->bhgm", q.float().view(B, H, Hq // H, D), k_sel)
+    return logits.masked_fill((indices < 0).unsqueeze(2), float("-inf")).reshape(B, Hq, m)
+
+
 def topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [..., k] int64 of the k largest scores per row, ties to the lower index, each row ascending.
 

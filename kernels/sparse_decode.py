@@ -6,7 +6,8 @@ slots to key positions (dense or token indices; blocks and CSR bucket lists are 
 device first, a few µs of torch ops: Triton 3.6's layout pass crashed on an in-kernel block mapping), reads each key and value once for every
 query row that shares it, and keeps an online-softmax partial state (max, sum, acc). A second small kernel
 merges the partial states of the chunks: flash-decoding's split-K, which spreads a long sequence (or a short
-selection over few heads) across all SMs.
+selection over few heads) across all SMs. `qk_logits` runs the same pass without the attention and writes each
+slot's q·k: the exact scores of the oracle and of --rerank.
 
 Reference: `kernels/reference.py::sparse_decode_reference` (same arguments, plain torch).
 """
@@ -28,12 +29,15 @@ _NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps exp(x - m) finite fo
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, IDX, LENS, M_out, L_out, ACC_out,
+    Q, K, V, IDX, LENS, M_out, L_out, ACC_out, S_out,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ib, stride_ih,
-    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk,
+    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk, n_cols,
     MODE: tl.constexpr, PREC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOGITS: tl.constexpr = False,
 ):
+    """One chunk of slots for one selection head: its online-softmax partial state, or with LOGITS the scaled
+    q·k of every slot (S_out [B, Hq, n_cols], -inf where a slot names no key) and no values read."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // n_sel_heads
@@ -79,19 +83,24 @@ def _partial_kernel(
         k = tl.load(k_base + pos[:, None] * stride_kn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + pos[:, None] * stride_vn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
-        m_i = m_new
+        if LOGITS:
+            s_row = (b * (n_sel_heads * group_rows) + q_head0 + g).to(tl.int64) * n_cols
+            tl.store(S_out + s_row[:, None] + t[None, :], s, mask=g_ok[:, None] & in_range[None, :])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos[:, None] * stride_vn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
+            m_i = m_new
 
-    n_chunks = tl.num_programs(0)
-    row = (b * (n_sel_heads * group_rows) + q_head0 + g) * n_chunks + c
-    tl.store(M_out + row, m_i, mask=g_ok)
-    tl.store(L_out + row, l_i, mask=g_ok)
-    tl.store(ACC_out + row[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
+    if not LOGITS:
+        n_chunks = tl.num_programs(0)
+        row = (b * (n_sel_heads * group_rows) + q_head0 + g) * n_chunks + c
+        tl.store(M_out + row, m_i, mask=g_ok)
+        tl.store(L_out + row, l_i, mask=g_ok)
+        tl.store(ACC_out + row[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
 
 
 @triton.jit
@@ -132,6 +141,23 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
     positions first (a host sync: for tests and debugging). block_n / num_warps / num_stages / waves (programs
     per SM) are tuning knobs; the defaults were measured on an H100 (results/ has the numbers).
     """
+    return _launch(q, keys, values, sel, scale, lengths, check, False, block_n, num_warps, num_stages, waves)
+
+
+def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None = None, *,
+              block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+              waves: int = 4) -> torch.Tensor:
+    """The exact q·k (unscaled, fp32) [B, Hq, m] of the keys [B, Hkv, L, D] at `indices` [B, H, m] (H = Hkv: a
+    group's query heads score the same keys; H = Hq: each query head its own; -1 pads give -inf), or of every key
+    when indices is None (m = L). The sparse-decode pass with the attention left out: each key is read once for
+    the query rows that share it (the oracle's scores and --rerank's). Reference: `reference.qk_logits_reference`."""
+    L = keys.shape[2]
+    sel = Selection(L, dense=True) if indices is None else Selection(L, indices=indices, padded=True)
+    return _launch(q, keys, keys, sel, 1.0, None, False, True, block_n, num_warps, num_stages, waves)
+
+
+def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_warps, num_stages, waves):
+    """The partial pass over `sel`'s slots, then the merge (attention) or, with `logits`, the q·k per slot."""
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
@@ -165,22 +191,25 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group_rows))  # tl.dot needs at least 16 rows
     chunk, n_chunks = _plan(n_slots, B * Hs, q.device, BLOCK_N, waves)
-    rows = B * Hq * n_chunks
+    rows = 0 if logits else B * Hq * n_chunks
     m = torch.empty(rows, dtype=torch.float32, device=q.device)
     l = torch.empty(rows, dtype=torch.float32, device=q.device)
     acc = torch.empty(rows, BLOCK_D, dtype=torch.float32, device=q.device)
+    s_out = torch.empty(B, Hq, n_slots if logits else 0, dtype=torch.float32, device=q.device)
     qc = q.reshape(B, Hq, D)
     if qc.stride(-1) != 1:
         qc = qc.contiguous()
     sib, sih = (idx.stride(0), idx.stride(1)) if idx.dim() == 3 else (0, 0)
     _partial_kernel[(n_chunks, B * Hs)](
-        qc, keys, values, idx, lens, m, l, acc,
+        qc, keys, values, idx, lens, m, l, acc, s_out,
         qc.stride(0), qc.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), sib, sih,
-        scale, Hs, G, group_rows, sink, n_sparse, window, chunk,
+        scale, Hs, G, group_rows, sink, n_sparse, window, chunk, n_slots,
         MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
-        BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=BLOCK_N, LOGITS=logits, num_warps=num_warps, num_stages=num_stages,
     )
+    if logits:
+        return s_out
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     _merge_kernel[(B * Hq,)](m, l, acc, out, out.stride(0), out.stride(1), Hq, n_chunks,
                              D=D, BLOCK_D=BLOCK_D, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=4)

@@ -148,14 +148,21 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Sel
     return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink, padded=False)
 
 
-def exact_scores(q: torch.Tensor, keys: torch.Tensor, n_kv_heads: int, pooling: str) -> torch.Tensor:
+def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle's ranking: softmax of q·k / sqrt(D) per query head, pooled as `pool_scores` does. q [B, Hq, 1, D];
-    keys [B, Hk, m, D] with Hk = the KV heads (each group's query heads score the same keys) or Hk = Hq (each query
-    head its own keys). Returns [B, H, m]."""
-    B, Hq, _, D = q.shape
-    Hk, m = keys.shape[1], keys.shape[2]
-    logits = torch.einsum("bhgd,bhmd->bhgm", q.float().view(B, Hk, Hq // Hk, D), keys.float()).reshape(B, Hq, m)
-    return pool_scores(torch.softmax(logits * D**-0.5, dim=-1), n_kv_heads, pooling)
+    keys [B, Hkv, L, D]; the keys scored are all L, or per selection head those at `indices` [B, H, m] (H = Hkv:
+    a group's query heads score the same keys; H = Hq: each query head its own). Returns [B, H, m]: per query
+    head with pooling "head", per KV head ("group" sums the group's softmax). On the GPU q·k comes from the
+    sparse-decode kernel (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, in bf16),
+    elsewhere from its torch reference."""
+    from .sparse_attention import use_kernels
+
+    if use_kernels(q.device):
+        from sparsekv.kernels.sparse_decode import qk_logits
+    else:
+        from sparsekv.kernels.reference import qk_logits_reference as qk_logits
+    logits = qk_logits(q, keys, indices)
+    return pool_scores(torch.softmax(logits * q.shape[-1] ** -0.5, dim=-1), keys.shape[1], pooling)
 
 
 def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int) -> Selection:
@@ -167,10 +174,7 @@ def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int) ->
     idx = sel.indices
     if idx is None or idx.shape[-1] <= k:
         return sel
-    Hq, Hkv, H = q.shape[1], keys.shape[1], idx.shape[1]
-    b = torch.arange(idx.shape[0], device=idx.device).view(-1, 1, 1)
-    kv = (torch.arange(H, device=idx.device) // (H // Hkv)).view(1, H, 1)  # each selection head's KV head
-    scores = exact_scores(q, keys[b, kv, idx], Hkv, "head" if H == Hq else "group")
+    scores = exact_scores(q, keys, "head" if idx.shape[1] == q.shape[1] else "group", idx)
     return Selection(sel.length, sel.sink, sel.window, indices=torch.gather(idx, 2, topk(scores, k)), padded=False)
 
 

@@ -4,8 +4,8 @@ shapes, fp32/fp16: the interpreter cannot do bf16) and, when a GPU is present, a
 import pytest
 import torch
 
-from sparsekv.kernels.reference import sparse_decode_reference
-from sparsekv.kernels.sparse_decode import csr_to_indices, dense_decode, sparse_decode
+from sparsekv.kernels.reference import qk_logits_reference, sparse_decode_reference
+from sparsekv.kernels.sparse_decode import csr_to_indices, dense_decode, qk_logits, sparse_decode
 from sparsekv.selection import Selection
 
 CUDA = torch.cuda.is_available()
@@ -146,6 +146,48 @@ def test_dense_attention_decode_runs_the_kernel(monkeypatch):
     assert calls == [1]
 
 
+def _close_logits(out, ref, dtype):
+    """Same -inf slots (the pads), close elsewhere."""
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.equal(out.isneginf(), ref.isneginf()) and not out.isnan().any()
+    fin = ref.isfinite()
+    tol = {torch.float32: 2e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}[dtype]  # fp32 sums of exact products
+    torch.testing.assert_close(out[fin], ref[fin], atol=tol * ref[fin].abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_logits_match_reference(G, dtype):
+    """q·k of the keys each selection head names (per KV head or per query head, -1 pads) and of every key of a
+    strided slice of the cache, as the oracle hands it over; D 80 exercises the masked head dims."""
+    B, Hkv, L, D = 2, 2, 211, 80
+    q, k, _ = _data(B, Hkv, G, L, D, dtype, seed=G)
+    for H in {Hkv, Hkv * G}:
+        idx = _indices(B, H, L, 0, 0, 37, seed=G + H, pad=3)
+        _close_logits(qk_logits(q, k, idx), qk_logits_reference(q, k, idx), dtype)
+    part = k[:, :, 5:150]
+    _close_logits(qk_logits(q, part), qk_logits_reference(q, part), dtype)
+    for fn in (qk_logits, qk_logits_reference):  # 3 selection heads: neither the KV nor the query heads
+        with pytest.raises(ValueError, match=r"has 3 heads; expected 2 \(KV heads\) or"):
+            fn(q, k, _indices(B, 3, L, 0, 0, 5))
+
+
+@pytest.mark.parametrize("pooling", ["head", "group"])
+def test_exact_scores_kernel_path(monkeypatch, pooling):
+    """selection.exact_scores (the oracle's and --rerank's ranking) on the kernel path against the torch path."""
+    from sparsekv.selection import exact_scores
+
+    q, k, _ = _data(1, 2, 4, 90, 64, torch.float32, seed=7)
+    idx = _indices(1, 8 if pooling == "head" else 2, 90, 0, 0, 20, seed=7)
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SPARSEKV_KERNELS", flag)
+        out[flag] = (exact_scores(q, k[:, :, :90], pooling), exact_scores(q, k, pooling, idx))
+    for a, b in zip(out["1"], out["0"]):
+        assert a.shape == b.shape and a.shape[1] == (8 if pooling == "head" else 2)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_real_shapes(dtype):
@@ -155,3 +197,13 @@ def test_gpu_real_shapes(dtype):
     _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), dtype)
     _close(dense_decode(q, k, v, L, D**-0.5), sparse_decode_reference(q, k, v, Selection(L, dense=True), D**-0.5),
            dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_qk_logits_real_shapes():
+    """bf16 at the llama3-8b shape: every key of 32768, and 8192 candidates per query head (--rerank 4 x 2048)."""
+    B, Hkv, G, L, D = 1, 8, 4, 32768, 128
+    q, k, _ = _data(B, Hkv, G, L, D, torch.bfloat16, extra=0)
+    _close_logits(qk_logits(q, k), qk_logits_reference(q, k), torch.bfloat16)
+    idx = _indices(B, Hkv * G, L, 0, 0, 8192)
+    _close_logits(qk_logits(q, k, idx), qk_logits_reference(q, k, idx), torch.bfloat16)

@@ -2,6 +2,8 @@
 
 GQA: with pooling "group" the query heads of a group share one choice, made on the sum of their softmax
 probabilities (the choice that keeps the most attention mass for the group); "head" chooses per query head.
+On the GPU q·k comes from the sparse-decode kernel (kernels/sparse_decode.py::qk_logits, every key read once for its
+group): 204.5 µs per layer at 131072 tokens, budget 2048, on the H100 (865 with torch's einsum; kernels-h100.md).
 """
 
 import torch
@@ -20,4 +22,4 @@ class Oracle(Method):
         if split.dense:
             return Selection(state.length, dense=True)
         keys = state.keys[:, :, split.sink : state.length - split.window]  # [B, Hkv, n, D]
-        return topk_selection(exact_scores(q, keys, keys.shape[1], self.pooling), split, state.length)
+        return topk_selection(exact_scores(q, keys, self.pooling), split, state.length)
