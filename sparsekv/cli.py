@@ -34,6 +34,18 @@ DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp
 PoolingOpt = Annotated[Optional[str], typer.Option(help="GQA: 'group' (one choice per KV head) or 'head' (one per "
                                                    "query head; default: the method's, 'head' for adamas as its "
                                                    "authors' code, 'group' for the rest)")]
+SinkOpt = Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")]
+WindowOpt = Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")]
+ArtifactOpt = Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")]
+HadamardOpt = Annotated[Optional[bool], typer.Option("--hadamard/--no-hadamard",
+                                                     help="adamas ablation: Hadamard transform on/off")]
+BitsOpt = Annotated[Optional[int], typer.Option(help="adamas ablation: code bits 1, 2 or 3")]
+DistanceOpt = Annotated[Optional[str], typer.Option(help="adamas: code distance l1 (the paper) or l2, or ip: the "
+                                                    "query itself against the key codes' bucket centers")]
+RerankOpt = Annotated[Optional[int], typer.Option(help="adamas: the codes pick this many times the budget's keys "
+                                                  "and their exact q·k keeps the budget (1 = off)")]
+PageSizeOpt = Annotated[Optional[int], typer.Option(help="quest: tokens per page")]
+NbitsOpt = Annotated[Optional[int], typer.Option(help="lsh: hash bits per key")]
 
 
 def _device(device: str) -> str:
@@ -154,6 +166,13 @@ def _subtask_table(results: list[dict], title: str) -> Table | None:
     return t
 
 
+def _method_options(**given) -> dict:
+    """The method options a command line set (None = not given), as the methods' constructors take them."""
+    if given.get("artifact") is not None:
+        given["artifact"] = str(given["artifact"])
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _specs(methods: list[str], budgets: list[float], seqs: list[int], options: dict, always_dense: bool = False):
     """The grid's cells, validated for every length before minutes are spent on the first one."""
     from .eval.runner import RunSpec, check_specs
@@ -272,20 +291,17 @@ def eval_cmd(
     max_queries: Annotated[Optional[int], typer.Option(help="recall: use at most this many dumped queries")] = None,
     min_context: Annotated[Optional[int], typer.Option(help="recall: only queries that see at least this many keys "
                                                        "(default: the largest budget + 1)")] = None,
-    sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
-    window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
+    sink: SinkOpt = None,
+    window: WindowOpt = None,
     pooling: PoolingOpt = None,
     dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
-    artifact: Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")] = None,
-    hadamard: Annotated[Optional[bool], typer.Option("--hadamard/--no-hadamard",
-                                                     help="adamas ablation: Hadamard transform on/off")] = None,
-    bits: Annotated[Optional[int], typer.Option(help="adamas ablation: code bits 1, 2 or 3")] = None,
-    distance: Annotated[Optional[str], typer.Option(help="adamas: code distance l1 (the paper) or l2, or ip: the "
-                                                    "query itself against the key codes' bucket centers")] = None,
-    rerank: Annotated[Optional[int], typer.Option(help="adamas: the codes pick this many times the budget's keys "
-                                                  "and their exact q·k keeps the budget (1 = off)")] = None,
-    page_size: Annotated[Optional[int], typer.Option(help="quest: tokens per page")] = None,
-    nbits: Annotated[Optional[int], typer.Option(help="lsh: hash bits per key")] = None,
+    artifact: ArtifactOpt = None,
+    hadamard: HadamardOpt = None,
+    bits: BitsOpt = None,
+    distance: DistanceOpt = None,
+    rerank: RerankOpt = None,
+    page_size: PageSizeOpt = None,
+    nbits: NbitsOpt = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write results here (passkey/ruler also save "
                                                      "the cells so far every minute, marked \"complete\": "
                                                      "false)")] = None,
@@ -317,10 +333,8 @@ def eval_cmd(
     budgets = _csv(budget, float, "budget")
     seqs = _csv(seq, int, "seq")
     layers = tuple(_csv(dense_layers, int, "dense-layers"))
-    options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling,
-                                 "artifact": None if artifact is None else str(artifact), "hadamard": hadamard,
-                                 "bits": bits, "distance": distance, "rerank": rerank, "page_size": page_size,
-                                 "nbits": nbits}.items() if v is not None}
+    options = _method_options(sink=sink, window=window, pooling=pooling, artifact=artifact, hadamard=hadamard,
+                              bits=bits, distance=distance, rerank=rerank, page_size=page_size, nbits=nbits)
     if task == "ppl" and (text_file is None) == (dataset is None):
         raise SparseKVError("--task ppl needs exactly one of --text-file or --dataset")
     if text_file is not None and not text_file.is_file():
@@ -408,14 +422,22 @@ def demo(
 def generate(
     prompt: Annotated[Optional[str], typer.Option(help="prompt text")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="read the prompt from a file")] = None,
-    method: Annotated[str, typer.Option(help="dense, oracle, streaming")] = "dense",
-    budget: Annotated[float, typer.Option(help="token count or fraction of the context")] = 64,
-    sink: Annotated[Optional[int], typer.Option()] = None,
-    window: Annotated[Optional[int], typer.Option()] = None,
+    method: Annotated[str, typer.Option(help="one method: dense, oracle, streaming, adamas, quest, lsh, ...")] = "dense",
+    budget: Annotated[float, typer.Option(help="keys per KV head per step (selected + sink + window): a token "
+                                          "count or a fraction of the context")] = 64,
+    sink: SinkOpt = None,
+    window: WindowOpt = None,
+    pooling: PoolingOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = True,
     dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
-    artifact: Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")] = None,
+    artifact: ArtifactOpt = None,
+    hadamard: HadamardOpt = None,
+    bits: BitsOpt = None,
+    distance: DistanceOpt = None,
+    rerank: RerankOpt = None,
+    page_size: PageSizeOpt = None,
+    nbits: NbitsOpt = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the generation here")] = None,
     model: ModelOpt = "smollm2-135m",
     device: DeviceOpt = "auto",
@@ -434,10 +456,10 @@ def generate(
         prompt = prompt_file.read_text()
     if max_new_tokens <= 0:
         raise SparseKVError(f"--max-new-tokens must be positive, got {max_new_tokens}")
-    m = get_method(method, **({} if method == "dense" else
-                              {k: v for k, v in {"budget": budget, "sink": sink, "window": window,
-                                                 "artifact": None if artifact is None else str(artifact)}.items()
-                               if v is not None}))
+    options = _method_options(sink=sink, window=window, pooling=pooling, artifact=artifact, hadamard=hadamard,
+                              bits=bits, distance=distance, rerank=rerank, page_size=page_size, nbits=nbits)
+    spec = _specs([method], [budget], [], options)[0]
+    m = get_method(method, **({} if spec.budget is None else {"budget": spec.budget}), **spec.method_options)
     lm = _load(model, device, dtype)
     ids, template = build_prompt(lm.tokenizer, prompt, chat=None if chat else False)
     t0 = time.perf_counter()
@@ -548,13 +570,11 @@ def bench(
                                          "or any registered method")] = "dense,oracle,streaming",
     budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token count(s) "
                                         "or fraction(s) of the context, comma-separated")] = "2048",
-    sink: Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")] = None,
-    window: Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")] = None,
+    sink: SinkOpt = None,
+    window: WindowOpt = None,
     pooling: PoolingOpt = None,
-    distance: Annotated[Optional[str], typer.Option(help="adamas: l1 (the paper), l2, or ip (the query against "
-                                                    "the key codes' bucket centers)")] = None,
-    rerank: Annotated[Optional[int], typer.Option(help="adamas: the codes pick this many times the budget's keys "
-                                                  "and their exact q·k keeps the budget (1 = off)")] = None,
+    distance: DistanceOpt = None,
+    rerank: RerankOpt = None,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,

@@ -62,6 +62,21 @@ def test_generate_runs(tmp_path):
     assert len(g["tokens"]) == 5 and g["method_config"]["method"] == "streaming"
 
 
+def test_generate_takes_the_method_options(tmp_path):
+    out = tmp_path / "g.json"
+    r = sparsekv("generate", "--model", "tiny-random", "--prompt", "hello there", "--method", "adamas",
+                 "--budget", "8", "--max-new-tokens", "3", "--distance", "ip", "--rerank", "2", "--pooling", "group",
+                 "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(out.read_text())["method_config"]
+    assert (cfg["method"], cfg["distance"], cfg["rerank"], cfg["pooling"], cfg["budget"]) == ("adamas", "ip", 2, "group", 8)
+    for args, msg in [(["--method", "oracle", "--rerank", "2"], "apply to none of the methods oracle"),
+                      (["--method", "nope"], "unknown method 'nope'"),
+                      (["--method", "adamas", "--rerank", "0"], "rerank must be a whole number >= 1")]:
+        r = sparsekv("generate", "--model", "tiny-random", "--prompt", "hi", *args)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
 def test_method_options_reach_only_the_methods_that_take_them(tmp_path):
     out = tmp_path / "abl.json"
     r = sparsekv("eval", "--model", "tiny-random", "--method", "oracle,adamas", "--budget", "16", "--seq", "300",
