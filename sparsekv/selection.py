@@ -153,7 +153,7 @@ def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: tor
     keys [B, Hkv, L, D]; the keys scored are all L, or per selection head those at `indices` [B, H, m] (H = Hkv:
     a group's query heads score the same keys; H = Hq: each query head its own). Returns [B, H, m]: per query
     head with pooling "head", per KV head ("group" sums the group's softmax). On the GPU q·k comes from the
-    sparse-decode kernel (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, in bf16),
+    sparse-decode kernel (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, fp32 sums),
     elsewhere from its torch reference."""
     from .sparse_attention import use_kernels
 
