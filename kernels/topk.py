@@ -30,7 +30,8 @@ select, rebuilt around register-resident tiles):
             so ties at the k-th value end it early. Forced in the tests with `_cap` (too many) and `_z` (too few).
 
 CAP = next_pow2(2k) (<= 16384, so k <= 8192; larger k takes the older multi-launch radix path, `_radix_topk`); on
-CUDA a row of at most 16384 scores gets CAP = next_pow2(n): every score is a candidate and step 1 is skipped.
+CUDA a row of at most 16384 scores gets CAP = next_pow2(n), every score a candidate and step 1 skipped, unless the
+sampled bound's CAP is at most half that and the row is over 2048 scores (`_short_row_plan`).
 Counters are cleared by the programs that finish with them: no memset, no host sync, no data-dependent shape, so a
 call can be captured in a CUDA graph. Scratch buffers are cached per (device, rows, chunks, chunk size) and left
 clean by every call; calls that share them must be ordered (one stream, or one CUDA graph).
@@ -86,6 +87,7 @@ alone 33.5; two programs per SM 34.1; 4096- / 1024-score tiles 32.4 / 35.5 (this
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -738,6 +740,7 @@ def _radix_topk(x: torch.Tensor, k: int, o: torch.Tensor, block: int | None, num
                         BLOCK=block, SUB=sub, S_POW2=triton.next_power_of_2(blocks), num_warps=4)
 
 
+@functools.lru_cache(maxsize=1024)  # ~25 µs of Python per call, paid on every eager top-k otherwise; read-only result
 def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: int | None = None,
           cap: int | None = None, sample: int | None = None, z: float = 5.0) -> dict | None:
     """Sizes for the one-launch path, or None when it does not apply (k > 8192). About one program per
@@ -778,6 +781,23 @@ def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: 
     plan.update(cap=cap, has_bound=True, s=s, stride=n // (s // 8), j=j, j_hi=j_hi,
                 tile=min(tile or (2048 if cap <= 4096 else 4096), chunk))
     return plan
+
+
+@functools.lru_cache(maxsize=1024)
+def _short_row_plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: int | None = None,
+                    z: float = 5.0) -> dict | None:
+    """Rows of at most _CAP_MAX scores: the sampled bound when its candidates fit half the registers that every score
+    would take (rows over 2048 scores), else every score a candidate. Session 17 (H100, µs graph, exact on every
+    input; `results/topk-short-rows-h100.json`), every score a candidate -> the bound: 32 x 8192, k 128 20.4 -> 10.0;
+    9 x 8191, k 127 21.4 -> 9.7; 32 x 8188, k 2047 (--rerank 4's second top-k) 25.9 -> 15.0; 32 x 16383, k 2047
+    45.8 -> 17.0; 1 x 16384, k 512 141.2 -> 13.7; integer rows in [0, 40) 25.9 -> 14.1 (32 x 8192, k 128); rows of
+    1024 scores 8.0 against 8.5 (so they keep every score)."""
+    whole = _plan(n, k, rows, n_sm, chunk, tile, n, None, z)
+    if n > 2048:
+        bounded = _plan(n, k, rows, n_sm, chunk, tile, None, None, z)
+        if bounded is not None and bounded["has_bound"] and 2 * bounded["cap"] <= whole["cap"]:
+            return bounded
+    return whole
 
 
 def _fused_scratch(device: torch.device, rows: int, p: int, chunk: int) -> dict[str, torch.Tensor]:
@@ -850,9 +870,8 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     `results/topk-ties-h100-session9.json`), fused against radix: randn 29.7 / 90.1; integers in [0, 3) 94.8 /
     106.7, [0, 40) 46.4 / 93.1, [0, 600) 36.9 / 87.2; negated Adamas-like distances 39.9 / 90.1; half-steps 31.5 /
     88.7; bf16 integers 50.6 / 94.5; only constant rows lose (223 / 148). Rows of at most _CAP_MAX scores take the
-    fused kernel with every score a candidate (no sampled bound, so ties cannot send it to a fallback): one launch
-    instead of six, which is what an eager decode step pays for (~40 µs of Python per Triton launch on the H100
-    machine).
+    fused kernel too (one launch instead of six, which is what an eager decode step pays for: ~40 µs of Python per
+    Triton launch on the H100 machine), with the sampled bound or every score a candidate (`_short_row_plan`).
     """
     if scores.dtype not in _KEY_BITS:
         raise ValueError(f"topk: scores must be float32, float16 or bfloat16, got {scores.dtype}")
@@ -867,8 +886,10 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     if path == "fused":
         if scores.is_cuda:
             n_sm = num_sms(scores.device)
-            whole_row = _cap is None and _sample is None and n <= _CAP_MAX  # every score a candidate
-            plan = _plan(n, k, rows, n_sm, _chunk, _tile, n if whole_row else _cap, _sample, _z)
+            if _cap is None and _sample is None and n <= _CAP_MAX:
+                plan = _short_row_plan(n, k, rows, n_sm, _chunk, _tile, _z)
+            else:
+                plan = _plan(n, k, rows, n_sm, _chunk, _tile, _cap, _sample, _z)
         else:  # the interpreter: small chunks and tiles, so that the loops and the gather run
             plan = _plan(n, k, rows, 4 * rows, _chunk or 512, _tile or 128, _cap, _sample, _z)
     if plan is None:

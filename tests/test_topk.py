@@ -8,6 +8,7 @@ near k, `_z` very negative), and the older multi-launch radix path with `_path="
 
 import pytest
 import torch
+import triton
 
 from sparsekv.kernels.reference import topk_reference
 from sparsekv.kernels.topk import default_path, describe_default, topk
@@ -251,11 +252,25 @@ def test_plan_tile_rule():
     assert _plan(100000, 9000, 1, 132) is None  # k > 8192: the radix path
 
 
+def test_short_row_plan_rule():
+    """Rows of at most 16384 scores: the sampled bound when its candidates fit half of next_pow2(n) and the row is
+    over 2048 scores (measured faster on the H100), else every score a candidate."""
+    from sparsekv.kernels.topk import _short_row_plan
+    for n, k, rows, cap in [(8192, 128, 32, 1024), (8191, 127, 9, 1024), (8188, 2047, 32, 4096),
+                            (16383, 2047, 32, 4096), (16384, 512, 1, 2048), (4096, 64, 32, 512)]:
+        p = _short_row_plan(n, k, rows, 132)
+        assert p["has_bound"] and p["cap"] == cap and p["p"] > 1, (n, k, rows)
+    for n, k, rows in [(1024, 64, 32), (2048, 64, 32), (4096, 2047, 32), (16384, 8000, 1), (300, 10, 3)]:
+        p = _short_row_plan(n, k, rows, 132)
+        assert not p["has_bound"] and p["cap"] == triton.next_power_of_2(n), (n, k, rows)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("n", [4000, 8191, 16384])
-def test_gpu_default_whole_row_with_ties(n, monkeypatch):
-    """Rows that fit the selecting program take the fused kernel with every score a candidate: exact on tie-heavy
-    integer rows (Adamas / LSH distances), where a sampled bound would send it to its fallback."""
+def test_gpu_default_short_rows_with_ties(n, monkeypatch):
+    """Rows of at most 16384 scores, with whichever plan `_short_row_plan` picks (the sampled bound for the small k
+    here, every score a candidate for the large ones): exact on tie-heavy integer rows (where the bound's candidates
+    overflow and the fallback selects), fp16 rows and constant rows."""
     monkeypatch.delenv("SPARSEKV_TOPK", raising=False)
     g = torch.Generator(device="cuda").manual_seed(n)
     for x in (torch.randint(0, 40, (3, n), device="cuda", generator=g).float(),

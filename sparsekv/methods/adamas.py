@@ -27,7 +27,7 @@ Re-rank (ours, `rerank=F`, off by default): the distance picks F x k candidates 
 keys keeps k (selection.rerank_exact; the oracle's choice among them). On SmolLM2, RULER NIAH 8K with ip at budget
 512 (199 prompts, results/eval-smollm2.md, session 16): 85.8 % of dense, 91.8 % with F = 4, the exact top-512 96.1 %;
 at budget 128 it does not help (the exact top-128 itself keeps 87 %). Cost at 131072 tokens, budget 2048, F = 4, per
-query head on the H100: 253 against 159 µs per layer (the candidates' keys read by kernels/sparse_decode.py::qk_logits).
+query head on the H100: 243 against 159 µs per layer (the candidates' keys read by kernels/sparse_decode.py::qk_logits).
 GQA: the query heads of a group use their KV head's thresholds. Pooling "head", the default, chooses per query head,
 as the authors' repeat_kv implementation does (and as `sparsekv calibrate` fits: each query head's own top-k); "group"
 sums the group's negated distances and makes one choice per KV head, which reads fewer keys but ranks worse: on
