@@ -788,10 +788,11 @@ def _short_row_plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = No
                     z: float = 5.0) -> dict | None:
     """Rows of at most _CAP_MAX scores: the sampled bound when its candidates fit half the registers that every score
     would take (rows over 2048 scores), else every score a candidate. Session 17 (H100, µs graph, exact on every
-    input; `results/topk-short-rows-h100.json`), every score a candidate -> the bound: 32 x 8192, k 128 20.4 -> 10.0;
-    9 x 8191, k 127 21.4 -> 9.7; 32 x 8188, k 2047 (--rerank 4's second top-k) 25.9 -> 15.0; 32 x 16383, k 2047
-    45.8 -> 17.0; 1 x 16384, k 512 141.2 -> 13.7; integer rows in [0, 40) 25.9 -> 14.1 (32 x 8192, k 128); rows of
-    1024 scores 8.0 against 8.5 (so they keep every score)."""
+    input; `results/topk-short-rows-h100.json`), every score a candidate -> this rule: 32 x 8192, k 128 20.3 -> 10.6;
+    9 x 8191, k 127 21.2 -> 9.7; 32 x 8188, k 2047 (--rerank 4's second top-k) 25.9 -> 15.1; 32 x 16383, k 2047
+    45.8 -> 16.8; 1 x 16384, k 512 140.6 -> 14.7; integer rows in [0, 40) 25.9 -> 14.7 (32 x 8192, k 128); constant
+    rows lose (9.3 -> 23.4: every score ties the bound, the select falls back to the slices). Rows of 1024 scores
+    took 8.0 with every score and 8.5 with the bound, so short rows keep every score."""
     whole = _plan(n, k, rows, n_sm, chunk, tile, n, None, z)
     if n > 2048:
         bounded = _plan(n, k, rows, n_sm, chunk, tile, None, None, z)
