@@ -740,7 +740,7 @@ def _radix_topk(x: torch.Tensor, k: int, o: torch.Tensor, block: int | None, num
                         BLOCK=block, SUB=sub, S_POW2=triton.next_power_of_2(blocks), num_warps=4)
 
 
-@functools.lru_cache(maxsize=1024)  # ~25 µs of Python per call, paid on every eager top-k otherwise; read-only result
+@functools.lru_cache(maxsize=1024)  # 25-34 µs of Python per build (results/topk-plan-cost-cpu.json); read-only result
 def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: int | None = None,
           cap: int | None = None, sample: int | None = None, z: float = 5.0) -> dict | None:
     """Sizes for the one-launch path, or None when it does not apply (k > 8192). About one program per
