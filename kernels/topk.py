@@ -83,6 +83,11 @@ from sub-samples (28.2 us on this shape with 32-score sample groups; slower on 3
 Session 15 (`results/topk-histogram-search-h100-session15.json`, patch beside it): the bound's and the select's searches
 by tl.histogram (254 equal bins a round; Triton lowers it to a ballot per bin bit per value): 43.0 us, the select's
 alone 33.5; two programs per SM 34.1; 4096- / 1024-score tiles 32.4 / 35.5 (this kernel: 29.7-29.8 in the same runs).
+Session 18 (`results/topk-session18-h100.json`, patch beside it): with the bound given this kernel takes 21.9-22.0
+us, so the sampled bound costs ~7.4 us (six search rounds of ~0.85 us, mostly fixed cost per round). Tried, not
+adopted: the search from the sample's [min, max] (2-3 us faster on rows offset from zero, 0.8 slower on randn),
+value-space thresholds (4 rounds instead of 6, no faster), compacting the keys left in the interval (slower), the
+ticket before the tile loads, 3-4 tiles in flight, register caps.
 """
 
 from __future__ import annotations
