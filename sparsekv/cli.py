@@ -36,6 +36,7 @@ PoolingOpt = Annotated[Optional[str], typer.Option(help="GQA: 'group' (one choic
                                                    "authors' code, 'group' for the rest)")]
 SinkOpt = Annotated[Optional[int], typer.Option(help="sink tokens (default: the method's paper)")]
 WindowOpt = Annotated[Optional[int], typer.Option(help="recent-window tokens (default: the method's paper)")]
+DenseLayersOpt = Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")]
 ArtifactOpt = Annotated[Optional[Path], typer.Option(help="a calibrated artifact version folder (adamas)")]
 HadamardOpt = Annotated[Optional[bool], typer.Option("--hadamard/--no-hadamard",
                                                      help="adamas ablation: Hadamard transform on/off")]
@@ -294,7 +295,7 @@ def eval_cmd(
     sink: SinkOpt = None,
     window: WindowOpt = None,
     pooling: PoolingOpt = None,
-    dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
+    dense_layers: DenseLayersOpt = "",
     artifact: ArtifactOpt = None,
     hadamard: HadamardOpt = None,
     bits: BitsOpt = None,
@@ -430,7 +431,7 @@ def generate(
     pooling: PoolingOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = True,
-    dense_layers: Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")] = "",
+    dense_layers: DenseLayersOpt = "",
     artifact: ArtifactOpt = None,
     hadamard: HadamardOpt = None,
     bits: BitsOpt = None,
