@@ -88,6 +88,11 @@ us, so the sampled bound costs ~7.4 us (six search rounds of ~0.85 us, mostly fi
 adopted: the search from the sample's [min, max] (2-3 us faster on rows offset from zero, 0.8 slower on randn),
 value-space thresholds (4 rounds instead of 6, no faster), compacting the keys left in the interval (slower), the
 ticket before the tile loads, 3-4 tiles in flight, register caps.
+Session 19 (`results/topk-session19-h100.json`, patch beside it): a call ends with its slowest row, whose select search
+takes 7-10 rounds where the median row's takes 6 (rows whose k-th and (k+1)-th keys lie close). Ranking the last <= 32
+keys directly (4 rounds for every row) trims that tail but costs the median row as much; sample groups of 32 scores
+are 0.3-0.7 us faster but make the bound fail on rows whose top scores come in runs; a max / min folded into the
+bound's first round, the ticket or the sample moved ahead of the tiles, and counters on their own lines: no faster.
 """
 
 from __future__ import annotations
