@@ -20,7 +20,8 @@ select, rebuilt around register-resident tiles):
             order: slice after slice) and finds T by a 5-way interval search in u-space (4 thresholds per reduction:
             their counts packed 16 bits apiece, two int32 words summed by one two-operand reduction), from the
             candidates' [min, max] until the keys above the interval plus those in it are exactly k, or the interval
-            is one value. It writes the indices above the interval and the first `need` inside it (ties to the
+            is one value, or one key more is needed: then T is the interval's largest key (one max reduction instead
+            of the rounds that would part it from the next one down). It writes the indices above the interval and the first `need` inside it (ties to the
             lower index) at cumsum positions: ascending index order, no sort.
    fallback fewer than k candidates (the sample was unlucky) or more than CAP (ties, constant rows, -inf
             padding, NaN-heavy rows): the same program runs the same search tile by tile from memory, over the
@@ -93,6 +94,16 @@ takes 7-10 rounds where the median row's takes 6 (rows whose k-th and (k+1)-th k
 keys directly (4 rounds for every row) trims that tail but costs the median row as much; sample groups of 32 scores
 are 0.3-0.7 us faster but make the bound fail on rows whose top scores come in runs; a max / min folded into the
 bound's first round, the ticket or the sample moved ahead of the tiles, and counters on their own lines: no faster.
+Sessions 20-21 (`results/topk-session21-h100.json`, patch beside it): the select's search ends when one key more is
+needed, on the interval's largest key (`_search`'s FIN), which cuts the slow rows' last rounds. Same run, against the
+kernel before it: randn 29.06 / 29.81 us, logits 30.45 / 31.10, scaled 31.45 / 31.85, uniform 29.81 / 30.23,
+exponential 28.84 / 29.79, attention-like 29.03 / 29.98, negative offset 32.16 / 32.15; 8 x 131072 22.2 / 22.9; bf16
+30.5 / 30.7; 32 x 32768 17.0 / 17.8; k 4096 32.5 / 33.7; k 8192 41.7 / 44.6 (40 checks and the GPU tests pass). Tried:
+each program's whole chunk in registers, loaded before the bound is known and compacted in one step (33.55-38.24 us on
+the seven row kinds): the loads delay the bound (known at 11.0 us instead of 7.9) and the compaction still takes ~8.5
+us with every score already in registers, as long as the streaming loop: it is bound by per-score instructions, not by
+the loads. (Session 20 also measured per-tile candidate slots instead of the running count, and the running count's
+reduction left out: slower, and < 1 us off the compaction; its output files were lost, so no figures here.)
 """
 
 from __future__ import annotations
@@ -263,13 +274,22 @@ def _choose(lo, hi, t1, t2, t3, t4, c1, c2, c3, c4, above, need, binc):
 
 
 @triton.jit
-def _search(s, lo, hi, above, need, binc, stop, OFF: tl.constexpr, PAIR: tl.constexpr):
-    """Interval search over register-resident keys until the interval is one value or above + binc <= stop."""
-    while (lo < hi) & (above + binc > stop):
+def _search(s, lo, hi, above, need, binc, stop, OFF: tl.constexpr, PAIR: tl.constexpr, FIN: tl.constexpr = 0):
+    """Interval search over register-resident keys until the interval is one value or above + binc <= stop.
+    FIN = 1 (the select, stop = k): also when need is 1, and then the interval becomes its largest key, one max
+    reduction instead of the rounds that would separate that key from the next (H100, 32 x 131072, k 2048: 0.4-1.0 us
+    off the call on six row kinds, none on negative offset rows; k 8192: 3.0 us). The bound's search, whose stop is a
+    window rather than one rank, keeps FIN = 0."""
+    while (lo < hi) & (above + binc > stop) & (need > FIN):
         t1, t2, t3, t4 = _thresholds(lo, hi)
         n1, n2, n3, n4 = _count4(s, t1, t2, t3, t4, OFF, PAIR)
         lo, hi, above, need, binc = _choose(lo, hi, t1, t2, t3, t4, n1 - above, n2 - above, n3 - above,
                                             n4 - above, above, need, binc)
+    if FIN:
+        if (lo < hi) & (above + binc > stop):  # need is 1: the k-th largest key is the interval's largest
+            t = tl.max(tl.where(s <= (hi - OFF).to(tl.int32), s, -2147483648), 0)  # keys above hi are `above`
+            lo = t.to(tl.int64) + OFF
+            hi = lo
     return lo, hi, above, need, binc
 
 
@@ -405,7 +425,7 @@ def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16:
             tl.store(TRq + 4, _now())
         zero = tl.zeros([], tl.int32)
         lo, hi, above, need, binc = _search(s, mn.to(tl.int64) + OFF, mx.to(tl.int64) + OFF, zero, zero + k, C,
-                                            k, OFF, PAIR)
+                                            k, OFF, PAIR, 1)
         if TRACE:
             tl.store(TRq + 7, _now())
         lo_s = (lo - OFF).to(tl.int32)

@@ -70,6 +70,27 @@ def test_low_bits_decide():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_select_ends_on_the_intervals_largest_key(dtype):
+    """The k-th largest score one step (one ulp of its dtype) above the (k+1)-th and far from the (k-1)-th: the
+    select's search reaches an interval whose largest key is the k-th (need = 1) and ends there with a max. Then the
+    same with the k-th largest twice (ties to the lower index), and with the step the other way round."""
+    g = _gen(11)
+    k, n = 123, 1200
+    wide = dtype == torch.float32
+    ib = torch.int32 if wide else torch.int16
+    bits = ((0x3F800000 if wide else 0x0800) + 16 * torch.randperm(n, generator=g)).repeat(3, 1)  # 16 steps apart
+    bits[1] |= -(1 << 31) if wide else 0x8000  # row 1 negative: one step down is one more in the low bits
+    x = bits.to(ib).view(dtype)  # (the 16-bit patterns fit int16 as two's complement)
+    for r, step in enumerate((-1, 1, 0)):  # row 2: a tie at the k-th largest
+        order = torch.sort(x[r].float(), descending=True, stable=True).indices
+        x.view(ib)[r, order[k]] = x.view(ib)[r, order[k - 1]] + step
+    top = x.float().sort(descending=True).values
+    assert (top[:2, k - 1] > top[:2, k]).all() and top[2, k - 1] == top[2, k]
+    _check(x.to(DEV), k)
+    _check(x.to(DEV), k + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_inf_nan_signed_zero(dtype):
     x = torch.randn(2, 1501, generator=_gen(3))
     x[:, ::3] = float("-inf")

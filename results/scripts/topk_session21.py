@@ -1,0 +1,75 @@
+"""Session 21: the select's finish adopted in kernels/topk.py (library) against the kernel before it (22170df), and an
+experimental copy holding each program's whole chunk in registers (`_whole`). 32 x 131072 fp32, k 2048 on seven row
+kinds, then four more shapes; CUDA-graph timings over 4 rotated inputs, each checked against the reference; then
+per-phase traces of one input (L2-warm, 8 calls, the first 3 dropped).
+
+    git show 22170df:kernels/topk.py > kernels/topk_o.py
+    cp kernels/topk.py kernels/topk_x.py && patch -p1 kernels/topk_x.py < results/topk-session21-experiments.patch
+    python results/scripts/topk_session21.py OUT.json "[dict(_whole=1), dict(_whole=2), dict(_whole=1, _warps_x=16)]"
+
+(with kernels/topk.py as of the commit that adds this script). `_whole` 1: every program loads its chunk (TILE = CHUNK)
+before its ticket and compacts it in one step after the bound; 2: the ticket first, the bound program's sample loaded
+before its chunk; `_warps_x` 16: 16 warps. Needs CUDA. Produced results/topk-session21-h100.json."""
+import json, sys, time, torch
+from triton.testing import do_bench_cudagraph
+import sparsekv.kernels.topk as B
+import sparsekv.kernels.topk_o as O
+import sparsekv.kernels.topk_x as T
+from sparsekv.kernels.reference import topk_reference
+dev = "cuda"; OUT = sys.argv[1]; t0 = time.time()
+res = dict(device=torch.cuda.get_device_name(), rows=[], traces=[])
+def save(): json.dump(res, open(OUT, "w"), indent=1)
+def gen(d, rows=32, n=131072):
+    x = torch.randn(rows, n, device=dev)
+    if d == "logits": return x * 3 + 30
+    if d == "neg": return -100 - torch.empty_like(x).exponential_()
+    if d == "scaled": return x * 0.05 + 4
+    if d == "unif": return torch.rand_like(x)
+    if d == "exp": return torch.empty_like(x).exponential_()
+    if d == "attn": return x * 2 + 6 * (torch.rand_like(x) < 0.01).float()
+    return x
+FNS = [("22170df", O.topk, {}), ("adopted", B.topk, {})] + [("x", T.topk, v) for v in eval(sys.argv[2])]
+def bench(d, rows, n, k, dt, fns, passes):
+    torch.manual_seed(0)
+    xs = [gen(d, rows, n).to(dt) for _ in range(4)]
+    refs = [topk_reference(x, k) for x in xs]
+    for ps in range(passes):
+        for name, fn, kw in fns:
+            try:
+                ok = all(torch.equal(fn(x, k, _path="fused", **kw), r) for x, r in zip(xs, refs))
+                def run():
+                    for x in xs: fn(x, k, _path="fused", **kw)
+                us = do_bench_cudagraph(run, rep=200) * 1e3 / 4
+            except Exception as e:
+                r = dict(dist=d, shape=[rows, n, k, str(dt)], kernel=name, kw=str(kw), error=repr(e)[:400])
+                res["rows"].append(r); print(r, flush=True); continue
+            r = dict(dist=d, shape=[rows, n, k, str(dt)], kernel=name, kw=str(kw), exact=ok, us_rot=round(us, 2),
+                     t=round(time.time() - t0)); res["rows"].append(r); print(r, flush=True)
+        save()
+for d in ("randn", "logits", "neg", "scaled", "unif", "exp", "attn"):
+    bench(d, 32, 131072, 2048, torch.float32, FNS, 2 if d == "randn" else 1)
+for rows, n, k, dt in [(8, 131072, 2048, torch.float32), (32, 131072, 2048, torch.bfloat16),
+                       (32, 32768, 2048, torch.float32), (32, 131072, 8192, torch.float32),
+                       (32, 131072, 4096, torch.float32)]:
+    bench("randn", rows, n, k, dt, FNS, 1)
+# traces: one input, L2-warm, 8 calls, first 3 dropped; per row: bound known (max over programs), compacted (max),
+# gathered, searched, end; times in us from the first program's start
+torch.manual_seed(0)
+x = torch.randn(32, 131072, device=dev)
+for name, fn, kw in FNS[1:]:
+    P = 4; buf = torch.zeros(32 * P * 8, dtype=torch.int64, device=dev)
+    calls = []
+    for c in range(8):
+        buf.zero_(); fn(x, 2048, _path="fused", _trace=buf, **kw); torch.cuda.synchronize()
+        if c < 3: continue
+        t = buf.view(32 * P, 8).double(); t0_ = t[:, 0].min()
+        rows = []
+        for r in range(32):
+            g = t[r * P:(r + 1) * P]; sel = g[g[:, 6] == 1][0]
+            rows.append([round(float(v - t0_) / 1e3, 2) for v in (g[:, 1].max(), g[:, 2].max(), sel[4], sel[7], sel[3])])
+        calls.append(rows)
+    med = torch.tensor(calls).median(0).values  # [32, 5]
+    res["traces"].append(dict(kernel=name, kw=str(kw), cols=["bound known", "compacted", "gathered", "searched", "end"],
+                              median_row=[round(float(v), 2) for v in med.median(0).values],
+                              slowest_row=[round(float(v), 2) for v in med[med[:, 4].argmax()]]))
+    print(res["traces"][-1], flush=True); save()
