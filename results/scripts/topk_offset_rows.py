@@ -11,19 +11,12 @@ from triton.testing import do_bench_cudagraph
 import sparsekv.kernels.topk as B
 import sparsekv.kernels.topk_x as T
 from sparsekv.kernels.reference import topk_reference
+sys.path.insert(0, "results/scripts")
+from topk_row_kinds import KINDS, gen  # noqa: E402
 dev = "cuda"
 res = dict(device=torch.cuda.get_device_name(), rows=[])
-def gen(d):
-    x = torch.randn(32, 131072, device=dev)
-    if d == "logits": return x * 3 + 30
-    if d == "neg": return -100 - torch.empty_like(x).exponential_()
-    if d == "scaled": return x * 0.05 + 4
-    if d == "unif": return torch.rand_like(x)
-    if d == "exp": return torch.empty_like(x).exponential_()
-    if d == "attn": return x * 2 + 6 * (torch.rand_like(x) < 0.01).float()
-    return x
 VARS = eval(sys.argv[2]) if len(sys.argv) > 2 else [{}, dict(_bmm=True), dict(_bmm=True, _vs=True)]
-for d in ("randn", "logits", "neg", "scaled", "unif", "exp", "attn"):
+for d in KINDS:
     torch.manual_seed(0)
     xs = [gen(d) for _ in range(4)]
     refs = [topk_reference(x, 2048) for x in xs]

@@ -16,18 +16,11 @@ import sparsekv.kernels.topk as B
 import sparsekv.kernels.topk_o as O
 import sparsekv.kernels.topk_x as T
 from sparsekv.kernels.reference import topk_reference
+sys.path.insert(0, "results/scripts")
+from topk_row_kinds import KINDS, gen  # noqa: E402
 dev = "cuda"; OUT = sys.argv[1]; t0 = time.time()
 res = dict(device=torch.cuda.get_device_name(), rows=[], traces=[])
 def save(): json.dump(res, open(OUT, "w"), indent=1)
-def gen(d, rows=32, n=131072):
-    x = torch.randn(rows, n, device=dev)
-    if d == "logits": return x * 3 + 30
-    if d == "neg": return -100 - torch.empty_like(x).exponential_()
-    if d == "scaled": return x * 0.05 + 4
-    if d == "unif": return torch.rand_like(x)
-    if d == "exp": return torch.empty_like(x).exponential_()
-    if d == "attn": return x * 2 + 6 * (torch.rand_like(x) < 0.01).float()
-    return x
 FNS = [("22170df", O.topk, {}), ("adopted", B.topk, {})] + [("x", T.topk, v) for v in eval(sys.argv[2])]
 def bench(d, rows, n, k, dt, fns, passes):
     torch.manual_seed(0)
@@ -46,7 +39,7 @@ def bench(d, rows, n, k, dt, fns, passes):
             r = dict(dist=d, shape=[rows, n, k, str(dt)], kernel=name, kw=str(kw), exact=ok, us_rot=round(us, 2),
                      t=round(time.time() - t0)); res["rows"].append(r); print(r, flush=True)
         save()
-for d in ("randn", "logits", "neg", "scaled", "unif", "exp", "attn"):
+for d in KINDS:
     bench(d, 32, 131072, 2048, torch.float32, FNS, 2 if d == "randn" else 1)
 for rows, n, k, dt in [(8, 131072, 2048, torch.float32), (32, 131072, 2048, torch.bfloat16),
                        (32, 32768, 2048, torch.float32), (32, 131072, 8192, torch.float32),
