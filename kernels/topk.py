@@ -21,8 +21,8 @@ select, rebuilt around register-resident tiles):
             their counts packed 16 bits apiece, two int32 words summed by one two-operand reduction), from the
             candidates' [min, max] until the keys above the interval plus those in it are exactly k, or the interval
             is one value, or one key more is needed: then T is the interval's largest key (one max reduction instead
-            of the rounds that would part it from the next one down). It writes the indices above the interval and the first `need` inside it (ties to the
-            lower index) at cumsum positions: ascending index order, no sort.
+            of the rounds that would part it from the next one down). It writes the indices above the interval and
+            the first `need` inside it (ties to the lower index) at cumsum positions: ascending index order, no sort.
    fallback fewer than k candidates (the sample was unlucky) or more than CAP (ties, constant rows, -inf
             padding, NaN-heavy rows): the same program runs the same search tile by tile from memory, over the
             candidate slices (or the row, if they are too few), shrinking the interval to the min and max of the

@@ -59,9 +59,10 @@ for name, fn, kw in FNS[1:]:
         rows = []
         for r in range(32):
             g = t[r * P:(r + 1) * P]; sel = g[g[:, 6] == 1][0]
-            rows.append([round(float(v - t0_) / 1e3, 2) for v in (g[:, 1].max(), g[:, 2].max(), sel[4], sel[7], sel[3])])
+            ends = (g[:, 1].max(), g[:, 2].max(), sel[4], sel[7], sel[3])
+            rows.append([round(float(v - t0_) / 1e3, 2) for v in ends])
         calls.append(rows)
-    med = torch.tensor(calls).median(0).values  # [32, 5]
+    med = torch.tensor(calls).median(0).values  # [32, 5]; median_row: each column's median over the rows
     res["traces"].append(dict(kernel=name, kw=str(kw), cols=["bound known", "compacted", "gathered", "searched", "end"],
                               median_row=[round(float(v), 2) for v in med.median(0).values],
                               slowest_row=[round(float(v), 2) for v in med[med[:, 4].argmax()]]))
