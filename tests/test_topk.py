@@ -90,6 +90,24 @@ def test_select_ends_on_the_intervals_largest_key(dtype):
     _check(x.to(DEV), k + 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paired_tiles(dtype):
+    """The streaming loop two tiles at a time (one packed scan; the `_pairs` knob): random rows (a whole number of
+    chunks or not), ties, NaNs, a -inf tail and both fallbacks."""
+    g = _gen(12)
+    rnd = torch.randn(3, 4096, generator=g)
+    odd = torch.randn(2, 4999, generator=g)
+    ties = torch.randint(0, 6, (2, 3001), generator=g).float()
+    nan = torch.randn(2, 3001, generator=g)
+    nan[:, ::3] = float("nan")
+    pad = torch.randn(2, 3001, generator=g)
+    pad[:, 1500:] = float("-inf")
+    for x, k in [(rnd, 100), (rnd, 700), (odd, 77), (odd, 600), (ties, 500), (nan, 1200), (pad, 1600)]:
+        _check(x.to(dtype).to(DEV), k, _pairs=True)
+    _check(rnd.to(dtype).to(DEV), 90, _pairs=True, _cap=256)
+    _check(rnd.to(dtype).to(DEV), 90, _pairs=True, _z=-30.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inf_nan_signed_zero(dtype):
     x = torch.randn(2, 1501, generator=_gen(3))

@@ -1,15 +1,22 @@
 """Session 21: the select's finish adopted in kernels/topk.py (library) against the kernel before it (22170df), and an
-experimental copy holding each program's whole chunk in registers (`_whole`). 32 x 131072 fp32, k 2048 on seven row
-kinds, then four more shapes; CUDA-graph timings over 4 rotated inputs, each checked against the reference; then
-per-phase traces of one input (L2-warm, 8 calls, the first 3 dropped).
+experimental copy with knobs: each program's whole chunk in registers (`_whole`), tiles two at a time (`_pk`), the
+ticket first (`_tf`). 32 x 131072 fp32, k 2048 on seven row kinds, then four more shapes; CUDA-graph timings over 4
+rotated inputs, each checked against the reference; then per-phase traces of one input (L2-warm, 8 calls, the first 3
+dropped).
 
     git show 22170df:kernels/topk.py > kernels/topk_o.py
-    cp kernels/topk.py kernels/topk_x.py && patch -p1 kernels/topk_x.py < results/topk-session21-experiments.patch
+    git show 3853bb2:kernels/topk.py > kernels/topk_x.py && patch -p1 kernels/topk_x.py < results/topk-session21-experiments.patch
     python results/scripts/topk_session21.py OUT.json "[dict(_whole=1), dict(_whole=2), dict(_whole=1, _warps_x=16)]"
+    python results/scripts/topk_session21.py OUT.json "[dict(_pk=1)]"
+    python results/scripts/topk_session21.py OUT.json "[dict(_pk=1, _maxnreg=168), dict(_pk=1, _maxnreg=224)]"
+    python results/scripts/topk_session21.py OUT.json "[dict(_pk=1, _tf=1, _maxnreg=224), dict(_pk=1, _tf=1)]"
 
-(with kernels/topk.py as of the commit that adds this script). `_whole` 1: every program loads its chunk (TILE = CHUNK)
-before its ticket and compacts it in one step after the bound; 2: the ticket first, the bound program's sample loaded
-before its chunk; `_warps_x` 16: 16 warps. Needs CUDA. Produced results/topk-session21-h100.json."""
+with kernels/topk.py as of c72aafd ("adopted": the select's finish, one tile at a time). `_whole` 1: every program
+loads its chunk (TILE = CHUNK) before its ticket and compacts it in one step after the bound; 2: the ticket first, the
+bound program's sample loaded before its chunk; `_warps_x` 16: 16 warps. `_pk` 1: tiles streamed two at a time, one
+scan and one sum for both (their flags packed 16 bits apiece); `_tf` 1: the ticket first and the bound program's sample
+loaded before its tiles. Needs CUDA. Produced results/topk-session21-h100.json ("rows"/"traces": the first command;
+"pairs_runs": the other three)."""
 import json, sys, time, torch
 from triton.testing import do_bench_cudagraph
 import sparsekv.kernels.topk as B
