@@ -100,7 +100,7 @@ kernel before it: randn 29.06 / 29.81 us, logits 30.45 / 31.10, scaled 31.45 / 3
 exponential 28.84 / 29.79, attention-like 29.03 / 29.98, negative offset 32.16 / 32.15; 8 x 131072 22.2 / 22.9; bf16
 30.5 / 30.7; 32 x 32768 17.0 / 17.8; k 4096 32.5 / 33.7; k 8192 41.7 / 44.6 (40 checks and the GPU tests pass). Tried:
 each program's whole chunk in registers, loaded before the bound is known and compacted in one step (33.55-38.24 us on
-the seven row kinds): the loads delay the bound (known at 11.0 us instead of 7.9) and the compaction still takes ~8.5
+the seven row kinds): the bound comes later (known at 11.0 us instead of 7.9) and the compaction still takes ~8.5
 us with every score already in registers, as long as the streaming loop: it is bound by per-score instructions, not by
 the loads. (Session 20 also measured per-tile candidate slots instead of the running count, and the running count's
 reduction left out: slower, and < 1 us off the compaction; its output files were lost, so no figures here.)
