@@ -104,7 +104,7 @@ the seven row kinds): the bound comes later (known at 11.0 us instead of 7.9) an
 us with every score already in registers, as long as the streaming loop: it is bound by per-score instructions, not by
 the loads. (Session 20 also measured per-tile candidate slots instead of the running count, and the running count's
 reduction left out: slower, and < 1 us off the compaction; its output files were lost, so no figures here.)
-Tiles two at a time (`_pairs`, off by default): one scan and one sum serve two tiles, their flags packed 16 bits
+Tiles two at a time (`_tile_pairs`, off by default): one scan and one sum serve two tiles, their flags packed 16 bits
 apiece. Measured in the experimental copy (same loop; `_pk` in the session-21 patch, 40 checks passed) against this
 kernel with one tile at a time, same runs: 32 x 131072 fp32, k 2048 randn 27.7-27.8 / 28.9 us with 224 registers
 (28.15 / 29.1 at ptxas' own 128, which spill), 0.3-1.0 faster on five more row kinds of seven, the same on negative
@@ -456,7 +456,7 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
                  KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
                  S: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, HAS_BOUND: tl.constexpr,
                  OFF: tl.constexpr, UMAX: tl.constexpr, MASKED: tl.constexpr, FLIP: tl.constexpr,
-                 PAIR: tl.constexpr, EVEN: tl.constexpr, TRACE: tl.constexpr, PAIRS: tl.constexpr):
+                 PAIR: tl.constexpr, EVEN: tl.constexpr, TRACE: tl.constexpr, TILE_PAIRS: tl.constexpr):
     q = tl.program_id(0)
     if TRACE:  # timeline for tuning (GPU only), per program: start, bound known, chunk compacted, selected; the
         # selecting program also its candidates gathered (slot 4) and its search done (slot 7)
@@ -493,7 +493,7 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
     CKs = CK + r64 * P * CHUNK + p * CHUNK  # this chunk's slice
     CIs = CI + r64 * P * CHUNK + p * CHUNK
     run = tl.zeros([], tl.int32)
-    if PAIRS:  # tiles two at a time: one scan and one sum for both tiles' flags, packed 16 bits apiece (TILE < 2**16)
+    if TILE_PAIRS:  # tiles two at a time: one scan and one sum for both tiles' flags, 16 bits apiece (TILE < 2**16)
         for t in range(0, NT, 2):
             n2 = i0 + (t + 2) * TILE
             n3 = n2 + TILE
@@ -928,7 +928,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
          _chunk: int | None = None, _cap: int | None = None, _sample: int | None = None,
          _tile: int | None = None, _z: float = 5.0, _maxnreg: int | None = None,
          _trace: torch.Tensor | None = None, _pair: bool | None = None,
-         _pairs: bool = False) -> torch.Tensor:
+         _tile_pairs: bool = False) -> torch.Tensor:
     """scores [..., N] (fp32/fp16/bf16) -> int64 indices [..., k] of the k largest per row.
 
     Exact: ties go to the lower index; each row's k indices come in ascending index order (not by score).
@@ -941,8 +941,8 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     methods now use the counting select). Measured in session 9 (H100, 32 x 131072, k 2048, µs graph,
     `results/topk-ties-h100-session9.json`), fused against radix: randn 29.7 / 90.1; integers in [0, 3) 94.8 /
     106.7, [0, 40) 46.4 / 93.1, [0, 600) 36.9 / 87.2; negated Adamas-like distances 39.9 / 90.1; half-steps 31.5 /
-    88.7; bf16 integers 50.6 / 94.5; only constant rows lose (223 / 148). `_pairs`: stream tiles two at a time (module
-    docstring, sessions 20-21). Rows of at most _CAP_MAX scores take the
+    88.7; bf16 integers 50.6 / 94.5; only constant rows lose (223 / 148). `_tile_pairs`: stream tiles two at a time
+    (module docstring, sessions 20-21). Rows of at most _CAP_MAX scores take the
     fused kernel too (one launch instead of six, which is what an eager decode step pays for: ~40 µs of Python per
     Triton launch on the H100 machine), with the sampled bound or every score a candidate (`_short_row_plan`).
     """
@@ -975,7 +975,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     xv = x.view(torch.int32 if bits == 32 else torch.int16)
     warps = _num_warps or (16 if cap >= 16384 else 8)
     tile = plan["tile"]
-    pairs = _pairs and (chunk // tile) % 2 == 0
+    pairs = _tile_pairs and (chunk // tile) % 2 == 0
     if _maxnreg is None and pairs and warps == 8 and scores.is_cuda:
         _maxnreg = 224  # the paired loop at ptxas' own register choice (128) spills; 224 measured ~0.3 us faster
     extra = {} if _maxnreg is None else dict(maxnreg=_maxnreg)
@@ -986,7 +986,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         CAP=cap, S=plan["s"], PP=triton.next_power_of_2(p), TILE=tile, HAS_BOUND=plan["has_bound"],
         OFF=(1 << 31) if bits == 32 else 0, UMAX=(1 << bits) - 1, MASKED=_I32_MIN if bits == 32 else 0,
         FLIP=_I32_MIN if bits == 32 else 0, PAIR=scores.is_cuda if _pair is None else _pair, EVEN=n % chunk == 0,
-        TRACE=_trace is not None, PAIRS=pairs, num_warps=warps, **extra)
+        TRACE=_trace is not None, TILE_PAIRS=pairs, num_warps=warps, **extra)
     return out
 
 

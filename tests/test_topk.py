@@ -92,7 +92,7 @@ def test_select_ends_on_the_intervals_largest_key(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paired_tiles(dtype):
-    """The streaming loop two tiles at a time (one packed scan; the `_pairs` knob): random rows (a whole number of
+    """The streaming loop two tiles at a time (one packed scan; the `_tile_pairs` knob): random rows (a whole number of
     chunks or not), ties, NaNs, a -inf tail and both fallbacks."""
     g = _gen(12)
     rnd = torch.randn(3, 4096, generator=g)
@@ -103,9 +103,9 @@ def test_paired_tiles(dtype):
     pad = torch.randn(2, 3001, generator=g)
     pad[:, 1500:] = float("-inf")
     for x, k in [(rnd, 100), (rnd, 700), (odd, 77), (odd, 600), (ties, 500), (nan, 1200), (pad, 1600)]:
-        _check(x.to(dtype).to(DEV), k, _pairs=True)
-    _check(rnd.to(dtype).to(DEV), 90, _pairs=True, _cap=256)
-    _check(rnd.to(dtype).to(DEV), 90, _pairs=True, _z=-30.0)
+        _check(x.to(dtype).to(DEV), k, _tile_pairs=True)
+    _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=True, _cap=256)
+    _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=True, _z=-30.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

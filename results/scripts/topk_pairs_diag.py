@@ -6,7 +6,7 @@ times per row from the `_trace` slots (L2-warm, 8 calls, the first 3 dropped; me
     python results/scripts/topk_pairs_diag.py
 
 (kernels/topk.py as of c72aafd). Needs CUDA. Its printout is "pairs_diag" in results/topk-session21-h100.json."""
-import torch, json, sys
+import torch
 import sparsekv.kernels.topk as B
 import sparsekv.kernels.topk_x as T
 dev = "cuda"
