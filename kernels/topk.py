@@ -104,15 +104,23 @@ the seven row kinds): the bound comes later (known at 11.0 us instead of 7.9) an
 us with every score already in registers, as long as the streaming loop: it is bound by per-score instructions, not by
 the loads. (Session 20 also measured per-tile candidate slots instead of the running count, and the running count's
 reduction left out: slower, and < 1 us off the compaction; its output files were lost, so no figures here.)
-Tiles two at a time (`_tile_pairs`, off by default): one scan and one sum serve two tiles, their flags packed 16 bits
-apiece. Measured in the experimental copy (same loop; `_pk` in the session-21 patch, 40 checks passed) against this
-kernel with one tile at a time, same runs: 32 x 131072 fp32, k 2048 randn 27.7-27.8 / 28.9 us with 224 registers
-(28.15 / 29.1 at ptxas' own 128, which spill), 0.3-1.0 faster on five more row kinds of seven, the same on negative
-offset rows; k 4096 29.9 / 32.3; k 8192 (16 warps) 39.4 / 41.6; 32 x 32768 16.4 / 16.9; but slower on 8 x 131072 (16
-programs a row: 24.0 / 22.0) and on bf16 (35.6 / 30.3). The bound comes ~1.3 us later with it (9.2-9.5 against
-7.9-8.2 in the traces; not the bound program's own tile loads: the ticket first does not change it), the compaction
-ends ~1.3-1.8 us sooner. Not the default yet: this form of it (the library's) has not run on the GPU; the rule the
-measurements support is fp32 rows whose programs stream 32768 scores or more past a sampled bound.
+Tiles two at a time (`_tile_pairs`): one scan and one sum serve two tiles, their flags packed 16 bits apiece. Measured
+first in the experimental copy (session 21: `_pk` in its patch), then in this form.
+Session 22 (`results/topk-session22-h100.json`, scripts `topk_session22.py`, `topk_window_counts.py`,
+`topk_sample_size.py`): the defaults are now `_loop_rule`'s. Tiles two at a time on fp32 rows past a sampled bound
+(with 224 registers at 8 warps), and the select's candidate window (lane j holds slot j % WIN of chunk j // WIN, loaded
+with the counts instead of after them; a chunk with more than WIN candidates is gathered again, packed) on rows of 8
+chunks or more. Against session 21's defaults in the same run: 32 x 131072 fp32, k 2048 randn 27.65 / 29.09 us, the six
+other row kinds 0.4-1.4 faster; 8 x 131072 21.3 / 23.5; 1 x 131072 20.7 / 24.7; k 4096 30.1 / 32.7; k 8192 40.6 /
+42.7; 32 x 32768 16.1 / 17.0; bf16 29.3 / 29.4 (no pairs there: 34.5 with them). The window loses 0.25-0.65 us on rows
+of 4 chunks at k 2048 and 3.6-3.9 at k 8192 (with each lane's count taken from the scalar counts instead of a load,
+`_wsel` in the session's patch, 27.5 against 27.5 without the window), so the packed gather's second L2 round trip is
+not what costs there; it wins where the packed gather's address chain runs over 16-64 chunks. Paired tiles still make the bound known ~1.3-1.5
+us later (9.2-9.5 against 7.9, at 128, 168, 224 or 255 registers alike; their SASS differs only in scheduling there).
+Measured, not adopted: a bound from S = 4096 samples instead of 8192 is known at 6.1 us instead of 9.2 and the call
+takes 24.7-26.9 us on the seven row kinds (z = 4), but 3-7 of 1024 rows then overflow CAP = 4096 and take the slices
+fallback (about one 32-row call in seven would hold one; at z = 4.5, 10-26 rows of 1024, two row kinds took 35.5 and
+44.6), and with CAP = 8192 instead the select costs more than the bound saves (29.3-31.6).
 """
 
 from __future__ import annotations
@@ -413,21 +421,47 @@ def _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, LB, KEY_BITS: tl.constexpr, NA
 
 
 @triton.jit
-def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16: tl.constexpr,
-            CHUNK: tl.constexpr, CAP: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, OFF: tl.constexpr,
-            UMAX: tl.constexpr, MASKED: tl.constexpr, PAIR: tl.constexpr, TRACE: tl.constexpr, LB):
-    """The row's last program: its top-k from the candidate slices (LB: the bound they passed, u)."""
-    j = tl.arange(0, CAP)
-    addr = j  # where candidate j (in index order) lies: its chunk's slice, after that slice's earlier ones
+def _gather_packed(CKr, CIr, CNTr, P, j, CHUNK: tl.constexpr, PP: tl.constexpr):
+    """The row's C candidates in lanes 0..C-1, in index order (slice after slice): valid, bits, indices, C."""
+    addr = j  # where candidate j lies: its chunk's slice, after that slice's earlier ones
     C = tl.zeros([], tl.int32)
     for q in tl.static_range(PP):  # unrolled: the P count loads are in flight together
         c_q = tl.load(CNTr + q, mask=q < P, other=0, cache_modifier=".cg")
         C += c_q
         addr += tl.where(j >= C, CHUNK - c_q, 0)
+    valid = j < C
+    bits = tl.load(CKr + addr, mask=valid, other=0, cache_modifier=".cg")
+    i = tl.load(CIr + addr, mask=valid, other=0, cache_modifier=".cg")  # in flight with the keys
+    return valid, bits, i, C
+
+
+@triton.jit
+def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16: tl.constexpr,
+            CHUNK: tl.constexpr, CAP: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, OFF: tl.constexpr,
+            UMAX: tl.constexpr, MASKED: tl.constexpr, PAIR: tl.constexpr, TRACE: tl.constexpr, LB,
+            WIN: tl.constexpr):
+    """The row's last program: its top-k from the candidate slices (LB: the bound they passed, u).
+    WIN > 0: lane j holds slot j % WIN of chunk j // WIN (WIN = CAP / PP), loaded with the counts instead of after
+    them (one L2 round trip less); a row with a chunk of more than WIN candidates gathers them again, packed."""
+    j = tl.arange(0, CAP)
+    if WIN > 0:
+        qj = j // WIN
+        slot = j - qj * WIN
+        valid = slot < tl.load(CNTr + qj, mask=qj < P, other=0, cache_modifier=".cg")
+        bits = tl.load(CKr + qj * CHUNK + slot, mask=qj < P, other=0, cache_modifier=".cg")
+        i = tl.load(CIr + qj * CHUNK + slot, mask=qj < P, other=0, cache_modifier=".cg")
+        C = tl.zeros([], tl.int32)
+        most = tl.zeros([], tl.int32)
+        for q in tl.static_range(PP):
+            c_q = tl.load(CNTr + q, mask=q < P, other=0, cache_modifier=".cg")
+            C += c_q
+            most = tl.maximum(most, c_q)
+    else:
+        valid, bits, i, C = _gather_packed(CKr, CIr, CNTr, P, j, CHUNK, PP)
     if (C >= k) & (C <= CAP):
-        valid = j < C
-        bits = tl.load(CKr + addr, mask=valid, other=0, cache_modifier=".cg")
-        i = tl.load(CIr + addr, mask=valid, other=0, cache_modifier=".cg")  # in flight with the keys
+        if WIN > 0:
+            if most > WIN:
+                valid, bits, i, C = _gather_packed(CKr, CIr, CNTr, P, j, CHUNK, PP)
         s = _to_skeys(bits, valid, KEY_BITS, NAN16)
         mx, mn = _maxmin(s, valid, PAIR)  # the search starts from the candidates' [min, max]
         if TRACE:
@@ -456,7 +490,8 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
                  KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
                  S: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, HAS_BOUND: tl.constexpr,
                  OFF: tl.constexpr, UMAX: tl.constexpr, MASKED: tl.constexpr, FLIP: tl.constexpr,
-                 PAIR: tl.constexpr, EVEN: tl.constexpr, TRACE: tl.constexpr, TILE_PAIRS: tl.constexpr):
+                 PAIR: tl.constexpr, EVEN: tl.constexpr, TRACE: tl.constexpr, TILE_PAIRS: tl.constexpr,
+                 WIN: tl.constexpr):
     q = tl.program_id(0)
     if TRACE:  # timeline for tuning (GPU only), per program: start, bound known, chunk compacted, selected; the
         # selecting program also its candidates gathered (slot 4) and its search done (slot 7)
@@ -552,7 +587,7 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
             tl.atomic_xchg(ARRIVE + r, 0, sem="relaxed")
             tl.atomic_xchg(BOUND + r, 0, sem="relaxed")
         _select(Xr, CK + r64 * P * CHUNK, CI + r64 * P * CHUNK, CNTr, OUT + r64 * stride_o, N, k, P, TR + 8 * q,
-                KEY_BITS, NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR, TRACE, low_u)
+                KEY_BITS, NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR, TRACE, low_u, WIN)
         if TRACE:
             tl.store(TR + 8 * q + 3, _now())
             tl.store(TR + 8 * q + 6, 1)
@@ -871,6 +906,21 @@ def _short_row_plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = No
     return whole
 
 
+def _loop_rule(plan: dict, bits: int, tile_pairs: bool | None = None, window: bool | None = None) -> tuple[bool, int]:
+    """(tiles two at a time, the select's candidate window WIN or 0) for a plan; None = the measured default. H100,
+    session 22 (`results/topk-session22-h100.json`, µs graph over rotated inputs, each against the same kernel without
+    it in the same run): tiles two at a time on fp32 rows past a sampled bound (32 x 131072, k 2048: 27.5 / 29.0 on
+    randn, 0.4-1.5 faster on six more row kinds; k 4096 30.2 / 32.9; k 8192 40.6 / 42.7; 32 x 32768 16.1 / 17.0;
+    8 x 131072 21.3 / 22.0) but not on bf16 rows (34.5 / 29.3); it needs an even number of tiles per chunk. The
+    window when a row has 8 chunks or more (8 x 131072: 22.0 / 23.5; 1 x 131072: 20.6 / 24.6) but not 4 (32 x 131072,
+    k 2048: 29.6 / 29.0; k 8192: 46.3 / 42.7)."""
+    pairs = (bits == 32 and plan["has_bound"]) if tile_pairs is None else tile_pairs
+    pp = triton.next_power_of_2(plan["p"])
+    window = pp >= 8 if window is None else window
+    win = plan["cap"] // pp if window and plan["cap"] >= pp else 0
+    return bool(pairs and (plan["chunk"] // plan["tile"]) % 2 == 0), win
+
+
 def _fused_scratch(device: torch.device, rows: int, p: int, chunk: int) -> dict[str, torch.Tensor]:
     key = ("fused", device, rows, p, chunk)
     if key not in _SCRATCH:
@@ -928,7 +978,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
          _chunk: int | None = None, _cap: int | None = None, _sample: int | None = None,
          _tile: int | None = None, _z: float = 5.0, _maxnreg: int | None = None,
          _trace: torch.Tensor | None = None, _pair: bool | None = None,
-         _tile_pairs: bool = False) -> torch.Tensor:
+         _tile_pairs: bool | None = None, _window: bool | None = None) -> torch.Tensor:
     """scores [..., N] (fp32/fp16/bf16) -> int64 indices [..., k] of the k largest per row.
 
     Exact: ties go to the lower index; each row's k indices come in ascending index order (not by score).
@@ -941,8 +991,9 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     methods now use the counting select). Measured in session 9 (H100, 32 x 131072, k 2048, µs graph,
     `results/topk-ties-h100-session9.json`), fused against radix: randn 29.7 / 90.1; integers in [0, 3) 94.8 /
     106.7, [0, 40) 46.4 / 93.1, [0, 600) 36.9 / 87.2; negated Adamas-like distances 39.9 / 90.1; half-steps 31.5 /
-    88.7; bf16 integers 50.6 / 94.5; only constant rows lose (223 / 148). `_tile_pairs`: stream tiles two at a time
-    (module docstring, sessions 20-21). Rows of at most _CAP_MAX scores take the
+    88.7; bf16 integers 50.6 / 94.5; only constant rows lose (223 / 148). `_tile_pairs` (stream tiles two at a time)
+    and `_window` (the select's candidate window): None = `_loop_rule`'s measured default (module docstring, sessions
+    20-22). Rows of at most _CAP_MAX scores take the
     fused kernel too (one launch instead of six, which is what an eager decode step pays for: ~40 µs of Python per
     Triton launch on the H100 machine), with the sampled bound or every score a candidate (`_short_row_plan`).
     """
@@ -975,7 +1026,8 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     xv = x.view(torch.int32 if bits == 32 else torch.int16)
     warps = _num_warps or (16 if cap >= 16384 else 8)
     tile = plan["tile"]
-    pairs = _tile_pairs and (chunk // tile) % 2 == 0
+    pairs, win = _loop_rule(plan, bits, _tile_pairs, _window)
+    pp = triton.next_power_of_2(p)
     if _maxnreg is None and pairs and warps == 8 and scores.is_cuda:
         _maxnreg = 224  # the paired loop at ptxas' own register choice (128) spills; 224 measured ~0.3 us faster
     extra = {} if _maxnreg is None else dict(maxnreg=_maxnreg)
@@ -983,10 +1035,10 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         xv, o, t["ck"], t["ci"], t["cnt"], t["bound"], t["arrive"], t["done"], t["cnt"] if _trace is None else _trace,
         n, k, xv.stride(0), o.stride(0), p,
         plan["stride"], plan["j"], plan["j_hi"], KEY_BITS=bits, NAN16=_NAN_EXP.get(scores.dtype, 0), CHUNK=chunk,
-        CAP=cap, S=plan["s"], PP=triton.next_power_of_2(p), TILE=tile, HAS_BOUND=plan["has_bound"],
+        CAP=cap, S=plan["s"], PP=pp, TILE=tile, HAS_BOUND=plan["has_bound"],
         OFF=(1 << 31) if bits == 32 else 0, UMAX=(1 << bits) - 1, MASKED=_I32_MIN if bits == 32 else 0,
         FLIP=_I32_MIN if bits == 32 else 0, PAIR=scores.is_cuda if _pair is None else _pair, EVEN=n % chunk == 0,
-        TRACE=_trace is not None, TILE_PAIRS=pairs, num_warps=warps, **extra)
+        TRACE=_trace is not None, TILE_PAIRS=pairs, WIN=win, num_warps=warps, **extra)
     return out
 
 

@@ -90,10 +90,11 @@ def test_select_ends_on_the_intervals_largest_key(dtype):
     _check(x.to(DEV), k + 1)
 
 
+@pytest.mark.parametrize("pairs", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_paired_tiles(dtype):
-    """The streaming loop two tiles at a time (one packed scan; the `_tile_pairs` knob): random rows (a whole number of
-    chunks or not), ties, NaNs, a -inf tail and both fallbacks."""
+def test_paired_tiles(dtype, pairs):
+    """The streaming loop two tiles at a time (one packed scan) and one at a time (the `_tile_pairs` knob; the default
+    is `_loop_rule`'s): random rows (a whole number of chunks or not), ties, NaNs, a -inf tail and both fallbacks."""
     g = _gen(12)
     rnd = torch.randn(3, 4096, generator=g)
     odd = torch.randn(2, 4999, generator=g)
@@ -103,9 +104,28 @@ def test_paired_tiles(dtype):
     pad = torch.randn(2, 3001, generator=g)
     pad[:, 1500:] = float("-inf")
     for x, k in [(rnd, 100), (rnd, 700), (odd, 77), (odd, 600), (ties, 500), (nan, 1200), (pad, 1600)]:
-        _check(x.to(dtype).to(DEV), k, _tile_pairs=True)
-    _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=True, _cap=256)
-    _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=True, _z=-30.0)
+        _check(x.to(dtype).to(DEV), k, _tile_pairs=pairs)
+    _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=pairs, _cap=256)
+    _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=pairs, _z=-30.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_candidate_window(dtype):
+    """The select's gather: each chunk's candidates in a window of lanes loaded with the counts, or (a chunk with more
+    candidates than its window) gathered again, packed; rows of both kinds in one launch, and the packed gather
+    alone (`_window=False`)."""
+    from sparsekv.kernels.topk import _plan
+    n, k = 4096, 300
+    plan = _plan(n, k, 4, 16, 512, 128)  # the interpreter's plan on the CPU
+    win = plan["cap"] // triton.next_power_of_2(plan["p"])
+    x = torch.randn(4, n, generator=_gen(13))
+    x[1] = torch.arange(n, dtype=torch.float32)  # every candidate in the last chunk: more than its window
+    x[2, :512] += 4.0  # most candidates in the first chunk
+    x[3, 7::8] = float("nan")  # NaNs in every chunk
+    if not CUDA:
+        assert plan["has_bound"] and win < 2 * k
+    for knobs in ({}, {"_window": True}, {"_window": False}, {"_window": True, "_tile_pairs": False}):
+        _check(x.to(dtype).to(DEV), k, **knobs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -289,6 +309,26 @@ def test_plan_tile_rule():
     p = _plan(16384, 100, 1, 4, cap=16384)  # every score a candidate: no bound, 4096-score tiles
     assert not p["has_bound"] and p["chunk"] == 4096 and p["tile"] == 4096
     assert _plan(100000, 9000, 1, 132) is None  # k > 8192: the radix path
+
+
+def test_loop_rule():
+    """Tiles two at a time on fp32 rows past a sampled bound with an even number of tiles per chunk; the candidate
+    window for rows of 8 chunks or more (both measured faster there on the H100); knobs win, within what the plan
+    allows."""
+    from sparsekv.kernels.topk import _loop_rule, _plan
+    main = _plan(131072, 2048, 32, 132)  # 4 chunks of 16 tiles
+    assert _loop_rule(main, 32) == (True, 0)
+    assert _loop_rule(main, 16) == (False, 0)  # bf16 / fp16
+    assert _loop_rule(main, 32, False, True) == (False, main["cap"] // 4)
+    eight = _plan(131072, 2048, 8, 132)  # 16 chunks
+    assert eight["p"] == 16 and _loop_rule(eight, 32) == (True, eight["cap"] // 16)
+    one = _plan(131072, 2048, 1, 132)  # 64 chunks of one tile: no pairs
+    assert one["chunk"] == one["tile"] and _loop_rule(one, 32) == (False, one["cap"] // 64)
+    assert _loop_rule(one, 32, True) == (False, one["cap"] // 64)
+    whole = _plan(16384, 100, 1, 4, cap=16384)  # every score a candidate: no bound
+    assert _loop_rule(whole, 32) == (False, 0)
+    tiny = _plan(100, 5, 1, 132)  # 50 chunks of 2 scores, 128 lanes: windows of 2
+    assert _loop_rule(tiny, 32) == (False, 2)
 
 
 def test_short_row_plan_rule():

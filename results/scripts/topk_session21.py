@@ -18,59 +18,24 @@ scan and one sum for both (their flags packed 16 bits apiece); `_tf` 1: the tick
 loaded before its tiles. Needs CUDA. Produced results/topk-session21-h100.json ("rows"/"traces": the first command;
 "pairs_runs": the other three)."""
 import json, sys, time, torch
-from triton.testing import do_bench_cudagraph
 import sparsekv.kernels.topk as B
 import sparsekv.kernels.topk_o as O
 import sparsekv.kernels.topk_x as T
-from sparsekv.kernels.reference import topk_reference
 sys.path.insert(0, "results/scripts")
-from topk_row_kinds import KINDS, gen  # noqa: E402
+from topk_row_kinds import KINDS, time_rows, trace_rows  # noqa: E402
 dev = "cuda"; OUT = sys.argv[1]; t0 = time.time()
 res = dict(device=torch.cuda.get_device_name(), rows=[], traces=[])
 def save(): json.dump(res, open(OUT, "w"), indent=1)
 FNS = [("22170df", O.topk, {}), ("adopted", B.topk, {})] + [("x", T.topk, v) for v in eval(sys.argv[2])]
-def bench(d, rows, n, k, dt, fns, passes):
-    torch.manual_seed(0)
-    xs = [gen(d, rows, n).to(dt) for _ in range(4)]
-    refs = [topk_reference(x, k) for x in xs]
-    for ps in range(passes):
-        for name, fn, kw in fns:
-            try:
-                ok = all(torch.equal(fn(x, k, _path="fused", **kw), r) for x, r in zip(xs, refs))
-                def run():
-                    for x in xs: fn(x, k, _path="fused", **kw)
-                us = do_bench_cudagraph(run, rep=200) * 1e3 / 4
-            except Exception as e:
-                r = dict(dist=d, shape=[rows, n, k, str(dt)], kernel=name, kw=str(kw), error=repr(e)[:400])
-                res["rows"].append(r); print(r, flush=True); continue
-            r = dict(dist=d, shape=[rows, n, k, str(dt)], kernel=name, kw=str(kw), exact=ok, us_rot=round(us, 2),
-                     t=round(time.time() - t0)); res["rows"].append(r); print(r, flush=True)
-        save()
 for d in KINDS:
-    bench(d, 32, 131072, 2048, torch.float32, FNS, 2 if d == "randn" else 1)
+    time_rows(d, 32, 131072, 2048, torch.float32, FNS, 2 if d == "randn" else 1, res["rows"], t0, save)
 for rows, n, k, dt in [(8, 131072, 2048, torch.float32), (32, 131072, 2048, torch.bfloat16),
                        (32, 32768, 2048, torch.float32), (32, 131072, 8192, torch.float32),
                        (32, 131072, 4096, torch.float32)]:
-    bench("randn", rows, n, k, dt, FNS, 1)
-# traces: one input, L2-warm, 8 calls, first 3 dropped; per row: bound known (max over programs), compacted (max),
-# gathered, searched, end; times in us from the first program's start
+    time_rows("randn", rows, n, k, dt, FNS, 1, res["rows"], t0, save)
+# traces: one input, L2-warm, 8 calls, first 3 dropped
 torch.manual_seed(0)
 x = torch.randn(32, 131072, device=dev)
 for name, fn, kw in FNS[1:]:
-    P = 4; buf = torch.zeros(32 * P * 8, dtype=torch.int64, device=dev)
-    calls = []
-    for c in range(8):
-        buf.zero_(); fn(x, 2048, _path="fused", _trace=buf, **kw); torch.cuda.synchronize()
-        if c < 3: continue
-        t = buf.view(32 * P, 8).double(); t0_ = t[:, 0].min()
-        rows = []
-        for r in range(32):
-            g = t[r * P:(r + 1) * P]; sel = g[g[:, 6] == 1][0]
-            ends = (g[:, 1].max(), g[:, 2].max(), sel[4], sel[7], sel[3])
-            rows.append([round(float(v - t0_) / 1e3, 2) for v in ends])
-        calls.append(rows)
-    med = torch.tensor(calls).median(0).values  # [32, 5]; median_row: each column's median over the rows
-    res["traces"].append(dict(kernel=name, kw=str(kw), cols=["bound known", "compacted", "gathered", "searched", "end"],
-                              median_row=[round(float(v), 2) for v in med.median(0).values],
-                              slowest_row=[round(float(v), 2) for v in med[med[:, 4].argmax()]]))
+    res["traces"].append(dict(kernel=name, kw=str(kw), **trace_rows(fn, kw, x, 2048, 4)))
     print(res["traces"][-1], flush=True); save()
