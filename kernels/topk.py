@@ -486,6 +486,32 @@ def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16:
 
 
 @triton.jit
+def _tile_load(Xr, offs, jt, t, N, NT: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr):
+    """Tile t of the chunk (its scores' bits at offs): zeros where it lies past the row's end, or everywhere when t is
+    past the chunk's last tile."""
+    if EVEN:
+        return tl.load(Xr + offs, mask=(jt < TILE) & (t < NT), other=0)
+    else:
+        return tl.load(Xr + offs, mask=(offs < N) & (t < NT), other=0)
+
+
+@triton.jit
+def _passes(b, idx, low, N, KEY_BITS: tl.constexpr, NAN16: tl.constexpr, EVEN: tl.constexpr):
+    """Key >= L: x >= L's score, or NaN (one float compare), inside the row."""
+    cand = (_as_f32(b, KEY_BITS, NAN16) < low) == 0
+    if not EVEN:
+        cand = cand & (idx < N)
+    return cand
+
+
+@triton.jit
+def _put(CKs, CIs, pos, b, idx, cand):
+    """Store the passing scores' bits (the selecting program makes their keys) and indices at pos."""
+    tl.store(CKs + pos, b.to(tl.int32), mask=cand)
+    tl.store(CIs + pos, idx, mask=cand)
+
+
+@triton.jit
 def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, stride_o, P, STRIDE, J, J_HI,
                  KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
                  S: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, HAS_BOUND: tl.constexpr,
@@ -505,10 +531,9 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
     i0 = p * CHUNK + jt
     if EVEN:  # N is a multiple of CHUNK: no masks in the streaming loop
         b0 = tl.load(Xr + i0)  # the first two tiles are in flight before any wait
-        b1 = tl.load(Xr + i0 + TILE, mask=(jt < TILE) & (NT > 1), other=0)
     else:
         b0 = tl.load(Xr + i0, mask=i0 < N, other=0)
-        b1 = tl.load(Xr + i0 + TILE, mask=(i0 + TILE < N) & (NT > 1), other=0)
+    b1 = _tile_load(Xr, i0 + TILE, jt, 1, N, NT, TILE, EVEN)
     if HAS_BOUND:
         if tl.atomic_add(ARRIVE + r, 1, sem="relaxed") == 0:  # first of its row: running, so safe to wait on
             lb0 = _bound(Xr, N, STRIDE, J, J_HI, S, KEY_BITS, NAN16, OFF, UMAX, PAIR)
@@ -531,48 +556,28 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
     if TILE_PAIRS:  # tiles two at a time: one scan and one sum for both tiles' flags, 16 bits apiece (TILE < 2**16)
         for t in range(0, NT, 2):
             n2 = i0 + (t + 2) * TILE
-            n3 = n2 + TILE
-            if EVEN:
-                b2 = tl.load(Xr + n2, mask=(jt < TILE) & (t + 2 < NT), other=0)
-                b3 = tl.load(Xr + n3, mask=(jt < TILE) & (t + 3 < NT), other=0)
-            else:
-                b2 = tl.load(Xr + n2, mask=(n2 < N) & (t + 2 < NT), other=0)
-                b3 = tl.load(Xr + n3, mask=(n3 < N) & (t + 3 < NT), other=0)
+            b2 = _tile_load(Xr, n2, jt, t + 2, N, NT, TILE, EVEN)
+            b3 = _tile_load(Xr, n2 + TILE, jt, t + 3, N, NT, TILE, EVEN)
             ia = i0 + t * TILE
             ib = ia + TILE
-            ca = (_as_f32(b0, KEY_BITS, NAN16) < low) == 0
-            cb = (_as_f32(b1, KEY_BITS, NAN16) < low) == 0
-            if not EVEN:
-                ca = ca & (ia < N)
-                cb = cb & (ib < N)
+            ca = _passes(b0, ia, low, N, KEY_BITS, NAN16, EVEN)
+            cb = _passes(b1, ib, low, N, KEY_BITS, NAN16, EVEN)
             both = ca.to(tl.int32) | (cb.to(tl.int32) << 16)
             pre = tl.cumsum(both, 0) - both
             tot = tl.sum(both, 0)
             na = tot & 0xFFFF
-            pa = _scatter_offsets(run + (pre & 0xFFFF), ca, run)
-            tl.store(CKs + pa, b0.to(tl.int32), mask=ca)
-            tl.store(CIs + pa, ia, mask=ca)
-            pb = _scatter_offsets(run + na + (pre >> 16), cb, run)
-            tl.store(CKs + pb, b1.to(tl.int32), mask=cb)
-            tl.store(CIs + pb, ib, mask=cb)
+            _put(CKs, CIs, _scatter_offsets(run + (pre & 0xFFFF), ca, run), b0, ia, ca)
+            _put(CKs, CIs, _scatter_offsets(run + na + (pre >> 16), cb, run), b1, ib, cb)
             run += na + (tot >> 16)
             b0 = b2
             b1 = b3
-    else:  # one tile at a time (the default)
+    else:  # one tile at a time
         for t in range(NT):
-            nxt = i0 + (t + 2) * TILE
-            if EVEN:
-                b2 = tl.load(Xr + nxt, mask=(jt < TILE) & (t + 2 < NT), other=0)
-            else:
-                b2 = tl.load(Xr + nxt, mask=(nxt < N) & (t + 2 < NT), other=0)
+            b2 = _tile_load(Xr, i0 + (t + 2) * TILE, jt, t + 2, N, NT, TILE, EVEN)
             idx = i0 + t * TILE
-            cand = (_as_f32(b0, KEY_BITS, NAN16) < low) == 0  # key >= L: x >= L's score, or NaN (one compare)
-            if not EVEN:
-                cand = cand & (idx < N)
+            cand = _passes(b0, idx, low, N, KEY_BITS, NAN16, EVEN)
             c = cand.to(tl.int32)
-            pos = _scatter_offsets(run + tl.cumsum(c, 0) - c, cand, run)  # index order inside the chunk
-            tl.store(CKs + pos, b0.to(tl.int32), mask=cand)  # the score's bits: the selecting program makes keys
-            tl.store(CIs + pos, idx, mask=cand)
+            _put(CKs, CIs, _scatter_offsets(run + tl.cumsum(c, 0) - c, cand, run), b0, idx, cand)  # index order
             run += tl.sum(c, 0)
             b0 = b1
             b1 = b2
