@@ -121,6 +121,11 @@ Measured, not adopted: a bound from S = 4096 samples instead of 8192 is known at
 takes 24.7-26.9 us on the seven row kinds (z = 4), but 3-7 of 1024 rows then overflow CAP = 4096 and take the slices
 fallback (about one 32-row call in seven would hold one; at z = 4.5, 10-26 rows of 1024, two row kinds took 35.5 and
 44.6), and with CAP = 8192 instead the select costs more than the bound saves (29.3-31.6).
+Nor a bound in two stages (`_b2` in the session's patch: the first rounds on half the sample bracket the full sample's
+J-th key, one count of the full sample checks the bracket, the full sample's rounds finish): L2-warm traces put the
+bound 0.25 us sooner, but over rotated inputs the call is 1.0-2.1 us slower on six row kinds (randn 29.07 / 27.44)
+and 0.1-0.4 faster on negative offset rows: the bracket takes nearly as many rounds as the whole search did (modelled
+on CPU: 5-6.5 half rounds, a count and 1.5-2 full rounds against 6-7.6 full rounds) and the rounds' fixed cost stays.
 """
 
 from __future__ import annotations

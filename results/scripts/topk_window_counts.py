@@ -3,7 +3,7 @@ chunk count from the scalar counts (a where-chain, `_wsel=1`) instead of a per-l
 form); both against the library's default in the same run (32 x 131072 and 8 x 131072 fp32, k 2048, randn; CUDA-graph
 timings over 4 rotated inputs, each checked against the reference).
 
-    cp kernels/topk.py kernels/topk_x.py && patch -p1 kernels/topk_x.py < results/topk-session22-experiments.patch
+    git show 1e227d4:kernels/topk.py > kernels/topk_x.py && patch -p1 kernels/topk_x.py < results/topk-session22-experiments.patch
     python results/scripts/topk_window_counts.py OUT.json
 
 Needs CUDA."""
