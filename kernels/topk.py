@@ -124,8 +124,9 @@ fallback (about one 32-row call in seven would hold one; at z = 4.5, 10-26 rows 
 Nor a bound in two stages (`_b2` in the session's patch: the first rounds on half the sample bracket the full sample's
 J-th key, one count of the full sample checks the bracket, the full sample's rounds finish): L2-warm traces put the
 bound 0.25 us sooner, but over rotated inputs the call is 1.0-2.1 us slower on six row kinds (randn 29.07 / 27.44)
-and 0.1-0.4 faster on negative offset rows: the bracket takes nearly as many rounds as the whole search did (modelled
-on CPU: 5-6.5 half rounds, a count and 1.5-2 full rounds against 6-7.6 full rounds) and the rounds' fixed cost stays.
+and 0.1-0.4 faster on negative offset rows: the bracket takes only about one round fewer than the whole search did
+(modelled on CPU, b = 4: 5.0-9.6 half-sample rounds, a count and 1.4-2 full rounds, against 5.9-10.9 full rounds),
+and every round keeps its fixed cost.
 """
 
 from __future__ import annotations
