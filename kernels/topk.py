@@ -115,8 +115,9 @@ other row kinds 0.4-1.4 faster; 8 x 131072 21.3 / 23.5; 1 x 131072 20.7 / 24.7; 
 42.7; 32 x 32768 16.1 / 17.0; bf16 29.3 / 29.4 (no pairs there: 34.5 with them). The window loses 0.25-0.65 us on rows
 of 4 chunks at k 2048 and 3.6-3.9 at k 8192 (with each lane's count taken from the scalar counts instead of a load,
 `_wsel` in the session's patch, 27.5 against 27.5 without the window), so the packed gather's second L2 round trip is
-not what costs there; it wins where the packed gather's address chain runs over 16-64 chunks. Paired tiles still make the bound known ~1.3-1.5
-us later (9.2-9.5 against 7.9, at 128, 168, 224 or 255 registers alike; their SASS differs only in scheduling there).
+not what costs there; it wins where the packed gather's address chain runs over 16-64 chunks. Paired tiles still make
+the bound known ~1.3-1.5 us later (9.2-9.5 against 7.9, at 128, 168, 224 or 255 registers alike; their SASS differs
+only in scheduling there).
 Measured, not adopted: a bound from S = 4096 samples instead of 8192 is known at 6.1 us instead of 9.2 and the call
 takes 24.7-26.9 us on the seven row kinds (z = 4), but 3-7 of 1024 rows then overflow CAP = 4096 and take the slices
 fallback (about one 32-row call in seven would hold one; at z = 4.5, 10-26 rows of 1024, two row kinds took 35.5 and
