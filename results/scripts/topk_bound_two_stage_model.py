@@ -4,6 +4,8 @@ count of the full sample at its ends, the full sample's rounds from there), on 8
 fifths as `_thresholds`. Prints rounds per row and how often the bracket's check failed.
 
     python results/scripts/topk_bound_two_stage_model.py
+
+Its printout: "two_stage_model" in results/topk-session22-cpu.json.
 """
 import math, sys
 import torch

@@ -5,6 +5,8 @@ by two nested selects). Whole-kernel counts (loads and the loop's scalar work in
 may schedule differently.
 
     python results/scripts/topk_count_sass.py
+
+Its printout: "count_sass" in results/topk-session22-cpu.json.
 """
 import re
 from collections import Counter

@@ -6,7 +6,8 @@ the same code. Session 22: moving the streaming loops' tile loads, compares and 
 
     python results/scripts/topk_ptx_hashes.py [MODULE] > before.txt   # edit, then again > after.txt; diff them
 
-The local Triton may not be the GPU machine's (3.9 here, 3.6 there): compare two runs on one machine."""
+The local Triton may not be the GPU machine's (3.9 here, 3.6 there): compare two runs on one machine. Session 22's
+runs: "ptx_refactor" in results/topk-session22-cpu.json."""
 import hashlib
 import importlib
 import inspect
