@@ -10,8 +10,8 @@ select, rebuilt around register-resident tiles):
 1. bound    the first program of a row to arrive (an atomic ticket: it is running, so waiting on it cannot
             deadlock) reads a strided sample of the row (S scores in groups of 8 adjacent ones) and finds L, the
             floor of an interval holding the sample's J-th largest key with at most J_HI sample keys >= L.
-            J = e + 5 sqrt(e) + 2 for the e = k S / N sample keys expected above the k-th largest key T, so L <= T
-            but for bad luck (~3e-7 of rows) and ~1.4-1.5 k scores pass it (S = 8192 for 131072-score rows). The
+            J = e + z sqrt(e) + 2 for the e = k S / N sample keys expected above the k-th largest key T, so L <= T
+            but for bad luck and ~1.5-1.6 k scores pass it (S = 4096, z = 4 for 32 x 131072, k 2048: `_plan`). The
             other programs of the row spin on it (atomic reads) with their first two tiles already in flight.
 2. compact  every program streams its chunk (next tile's load in flight while this one is processed) and keeps
             the scores >= L (one float compare: x >= L's score, or NaN) in index order (tl.cumsum), bits and index,
@@ -23,12 +23,16 @@ select, rebuilt around register-resident tiles):
             is one value, or one key more is needed: then T is the interval's largest key (one max reduction instead
             of the rounds that would part it from the next one down). It writes the indices above the interval and
             the first `need` inside it (ties to the lower index) at cumsum positions: ascending index order, no sort.
-   fallback fewer than k candidates (the sample was unlucky) or more than CAP (ties, constant rows, -inf
-            padding, NaN-heavy rows): the same program runs the same search tile by tile from memory, over the
+   unlucky  rows the sample misjudged (session 23): more than CAP candidates but at most CAP2 = 2 CAP, the same
+            search over CAP2 lanes; fewer than k, a second bound from the sample (its J2-th key, z2 = 10), the row
+            streamed again by this program into the slices (~45 us), then the select (CAP2 or CAP lanes).
+   fallback fewer than k candidates even so, or more than CAP2 (ties, constant rows, -inf padding, NaN-heavy
+            rows): the same program runs the same search tile by tile from memory, over the
             candidate slices (or the row, if they are too few), shrinking the interval to the min and max of the
             keys inside it after every pass (a constant row takes one pass), then writes in index order. Over the
             slices it starts at the bound (clamped to +-inf's keys) and each pass first counts the keys above lo,
-            so ties at the k-th value end it early. Forced in the tests with `_cap` (too many) and `_z` (too few).
+            so ties at the k-th value end it early. Forced in the tests with `_cap` (too many), `_z` (too few:
+            the second bound) and `_z2` (too few for the second bound as well).
 
 CAP = next_pow2(2k) (<= 16384, so k <= 8192; larger k takes the older multi-launch radix path, `_radix_topk`); on
 CUDA a row of at most 16384 scores gets CAP = next_pow2(n), every score a candidate and step 1 skipped, unless the
@@ -128,6 +132,18 @@ bound 0.25 us sooner, but over rotated inputs the call is 1.0-2.1 us slower on s
 and 0.1-0.4 faster on negative offset rows: the bracket takes only about one round fewer than the whole search did
 (modelled on CPU, b = 4: 5.0-9.6 half-sample rounds, a count and 1.4-2 full rounds, against 5.9-10.9 full rounds),
 and every round keeps its fixed cost.
+Session 23 (`results/topk-session23-h100.json`, script `topk_session23.py`; H100, us graph over rotated inputs, the
+kernel before the session in the same runs): `_count4` builds each packed word by two nested selects (0, 1 or 0x10001)
+instead of flags shifted and or-ed: 25.5 against 27.6 on 32 x 131072 randn, 2.1-3.1 faster on the other row kinds (the
+bound known at 7.7 us instead of 9.2, the select's search 0.5 faster; SASS of the counting rounds 505 against 553
+instructions). Then the rows a small sample misjudges got paths of their own (above: CAP2 lanes, the second bound),
+which makes S = 4096 safe: the plan (`_plan`) takes, where its strict sample (z = 5, 4 deviations below CAP) holds 4096
+scores or more, the smallest one that leaves 2 deviations below CAP and 5 below CAP2, J at z = 4. Over 16384 rows of
+each of the seven kinds at S = 4096, z = 4: 0.3-0.8% of rows over CAP (none over 4819 candidates), none too few.
+32 x 131072, k 2048: randn 23.3-23.5 (27.6 before), logits 24.5, neg 25.4, scaled 25.1, unif 24.1, exp 23.6, attn
+23.6 (29.2, 31.7, 30.6, 28.5, 27.2, 27.8); 8 x 131072 17.1 (21.2); 1 x 131072 16.2 (20.6); bf16 27.8 (29.3); k 1024
+24.7 (32.3); k 4096 26.8 (30.0); k 8192 40.4 (40.5); 32 x 32768 15.3 (16.0); short rows 0.06-0.6 faster. A row taking
+the second bound costs ~48 us more (all 32 rows forced: 71.1 us; the row fallback it replaces: ~1 ms).
 """
 
 from __future__ import annotations
@@ -269,11 +285,13 @@ def _add2(a0, a1, b0, b1):
 
 @triton.jit
 def _count4(s, t1, t2, t3, t4, OFF: tl.constexpr, PAIR: tl.constexpr):
-    """How many keys are >= each threshold: two 16-bit counts per int32 (s has at most 16384 lanes), both words
-    summed in one two-operand reduction on the GPU (PAIR), by two sums in the interpreter (where a two-operand
-    reduction is a Python loop)."""
-    va = _ge(s, t1, OFF) | (_ge(s, t2, OFF) << 16)
-    vb = _ge(s, t3, OFF) | (_ge(s, t4, OFF) << 16)
+    """How many keys are >= each threshold (t1 <= t2 <= t3 <= t4): two 16-bit counts per int32 (s has at most 16384
+    lanes), each word 0, 1 or 0x10001 by two nested selects, both words summed in one two-operand reduction on the
+    GPU (PAIR), by two sums in the interpreter (where a two-operand reduction is a Python loop). The selects take
+    fewer instructions than 0/1 flags shifted and or-ed (sm_90 SASS of the counting rounds, S 8192: 505 against 553,
+    `results/scripts/topk_count_sass.py`)."""
+    va = tl.where(_ge(s, t2, OFF) != 0, 0x10001, _ge(s, t1, OFF))
+    vb = tl.where(_ge(s, t4, OFF) != 0, 0x10001, _ge(s, t3, OFF))
     if PAIR:
         ta, tb = tl.reduce((va, vb), 0, _add2)
     else:
@@ -443,13 +461,73 @@ def _gather_packed(CKr, CIr, CNTr, P, j, CHUNK: tl.constexpr, PP: tl.constexpr):
 
 
 @triton.jit
+def _restream(Xr, CKr, CIr, CNTr, N, P, low, CHUNK: tl.constexpr, TILE: tl.constexpr, KEY_BITS: tl.constexpr,
+              NAN16: tl.constexpr):
+    """The whole row again, by one program: every chunk's scores >= low (its fp32 score) into the chunk's candidate
+    slice, in index order, and the new counts; returns their total. The next tile's load is issued before this
+    one's compaction."""
+    jt = tl.arange(0, TILE)
+    NT: tl.constexpr = CHUNK // TILE
+    total = tl.zeros([], tl.int32)
+    for p in range(0, P):
+        run = tl.zeros([], tl.int32)
+        i0 = p * CHUNK + jt
+        b1 = tl.load(Xr + i0, mask=i0 < N, other=0)
+        for t in range(NT):
+            b0 = b1
+            nxt = i0 + (t + 1) * TILE
+            b1 = tl.load(Xr + nxt, mask=(nxt < N) & (t + 1 < NT), other=0)
+            idx = i0 + t * TILE
+            cand = _passes(b0, idx, low, N, KEY_BITS, NAN16, False)
+            c = cand.to(tl.int32)
+            _put(CKr + p * CHUNK, CIr + p * CHUNK, _scatter_offsets(run + tl.cumsum(c, 0) - c, cand, run), b0, idx,
+                 cand)
+            run += tl.sum(c, 0)
+        tl.store(CNTr + p, run)
+        total += run
+    tl.debug_barrier()  # the slices' stores are done before any thread gathers them
+    return total
+
+
+@triton.jit
+def _select_regs(bits, valid, i, C, k, Or, TRq, KEY_BITS: tl.constexpr, NAN16: tl.constexpr, OFF: tl.constexpr,
+                 PAIR: tl.constexpr, TRACE: tl.constexpr):
+    """The row's top-k from its C candidates held in lanes (bits, indices; `valid` lanes in index order): the search
+    from their [min, max], then the indices above the interval and the first `need` inside it, at cumsum positions."""
+    s = _to_skeys(bits, valid, KEY_BITS, NAN16)
+    mx, mn = _maxmin(s, valid, PAIR)  # the search starts from the candidates' [min, max]
+    if TRACE:
+        tl.store(TRq + 4, _now())
+    zero = tl.zeros([], tl.int32)
+    lo, hi, above, need, binc = _search(s, mn.to(tl.int64) + OFF, mx.to(tl.int64) + OFF, zero, zero + k, C,
+                                        k, OFF, PAIR, 1)
+    if TRACE:
+        tl.store(TRq + 7, _now())
+    lo_s = (lo - OFF).to(tl.int32)
+    hi_s = (hi - OFF).to(tl.int32)
+    a = (valid & (s > hi_s)).to(tl.int32)
+    e = (valid & (s >= lo_s) & (s <= hi_s)).to(tl.int32)
+    both = a + (e << 16)  # one scan for both counts (lanes < 2**16)
+    pre = tl.cumsum(both, 0) - both
+    eq_pre = pre >> 16
+    take = (a > 0) | ((e > 0) & (eq_pre < need))
+    pos = _scatter_offsets((pre & 0xFFFF) + tl.minimum(eq_pre, need), take, need)
+    tl.store(Or + pos, i.to(tl.int64), mask=take)
+
+
+@triton.jit
 def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16: tl.constexpr,
             CHUNK: tl.constexpr, CAP: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, OFF: tl.constexpr,
             UMAX: tl.constexpr, MASKED: tl.constexpr, PAIR: tl.constexpr, TRACE: tl.constexpr, LB,
-            WIN: tl.constexpr):
+            WIN: tl.constexpr, CAP2: tl.constexpr, STRIDE, J2, J2_HI, S: tl.constexpr, FLIP: tl.constexpr,
+            RESTREAM: tl.constexpr):
     """The row's last program: its top-k from the candidate slices (LB: the bound they passed, u).
     WIN > 0: lane j holds slot j % WIN of chunk j // WIN (WIN = CAP / PP), loaded with the counts instead of after
-    them (one L2 round trip less); a row with a chunk of more than WIN candidates gathers them again, packed."""
+    them (one L2 round trip less); a row with a chunk of more than WIN candidates gathers them again, packed.
+    Rows the sample misjudged: RESTREAM, a row of fewer than k candidates gets a lower bound from the sample (its
+    J2-th key instead of its J-th) and streams the row again into the slices (~tens of us instead of the row
+    fallback's ~1 ms); CAP2 > CAP, a row of CAP < C <= CAP2 candidates is held in CAP2 lanes instead of taking the
+    slices fallback."""
     j = tl.arange(0, CAP)
     if WIN > 0:
         qj = j // WIN
@@ -469,27 +547,24 @@ def _select(Xr, CKr, CIr, CNTr, Or, N, k, P, TRq, KEY_BITS: tl.constexpr, NAN16:
         if WIN > 0:
             if most > WIN:
                 valid, bits, i, C = _gather_packed(CKr, CIr, CNTr, P, j, CHUNK, PP)
-        s = _to_skeys(bits, valid, KEY_BITS, NAN16)
-        mx, mn = _maxmin(s, valid, PAIR)  # the search starts from the candidates' [min, max]
-        if TRACE:
-            tl.store(TRq + 4, _now())
-        zero = tl.zeros([], tl.int32)
-        lo, hi, above, need, binc = _search(s, mn.to(tl.int64) + OFF, mx.to(tl.int64) + OFF, zero, zero + k, C,
-                                            k, OFF, PAIR, 1)
-        if TRACE:
-            tl.store(TRq + 7, _now())
-        lo_s = (lo - OFF).to(tl.int32)
-        hi_s = (hi - OFF).to(tl.int32)
-        a = (valid & (s > hi_s)).to(tl.int32)
-        e = (valid & (s >= lo_s) & (s <= hi_s)).to(tl.int32)
-        both = a + (e << 16)  # one scan for both counts (CAP < 2**16)
-        pre = tl.cumsum(both, 0) - both
-        eq_pre = pre >> 16
-        take = (a > 0) | ((e > 0) & (eq_pre < need))
-        pos = _scatter_offsets((pre & 0xFFFF) + tl.minimum(eq_pre, need), take, need)
-        tl.store(Or + pos, i.to(tl.int64), mask=take)
+        _select_regs(bits, valid, i, C, k, Or, TRq, KEY_BITS, NAN16, OFF, PAIR, TRACE)
     else:
-        _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, LB, KEY_BITS, NAN16, CHUNK, TILE, OFF, UMAX, MASKED, PAIR)
+        if RESTREAM:
+            if C < k:
+                lb2 = _bound(Xr, N, STRIDE, J2, J2_HI, S, KEY_BITS, NAN16, OFF, UMAX, PAIR).to(tl.int32) ^ FLIP
+                C = _restream(Xr, CKr, CIr, CNTr, N, P, _key_as_f32(lb2, KEY_BITS, NAN16), CHUNK, TILE, KEY_BITS,
+                              NAN16)
+                LB = _clamp_key(lb2, KEY_BITS, NAN16).to(tl.int64) + OFF
+        if (CAP2 > CAP) or RESTREAM:
+            LANES: tl.constexpr = CAP2 if CAP2 > CAP else CAP
+            if (C >= k) & (C <= LANES):
+                valid2, bits2, i2, C2 = _gather_packed(CKr, CIr, CNTr, P, tl.arange(0, LANES), CHUNK, PP)
+                _select_regs(bits2, valid2, i2, C2, k, Or, TRq, KEY_BITS, NAN16, OFF, PAIR, TRACE)
+            else:
+                _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, LB, KEY_BITS, NAN16, CHUNK, TILE, OFF, UMAX, MASKED,
+                          PAIR)
+        else:
+            _fallback(Xr, CKr, CIr, CNTr, Or, N, k, P, C, LB, KEY_BITS, NAN16, CHUNK, TILE, OFF, UMAX, MASKED, PAIR)
 
 
 @triton.jit
@@ -519,12 +594,12 @@ def _put(CKs, CIs, pos, b, idx, cand):
 
 
 @triton.jit
-def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, stride_o, P, STRIDE, J, J_HI,
-                 KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
+def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, stride_o, P, STRIDE, J, J_HI, J2,
+                 J2_HI, KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
                  S: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, HAS_BOUND: tl.constexpr,
                  OFF: tl.constexpr, UMAX: tl.constexpr, MASKED: tl.constexpr, FLIP: tl.constexpr,
                  PAIR: tl.constexpr, EVEN: tl.constexpr, TRACE: tl.constexpr, TILE_PAIRS: tl.constexpr,
-                 WIN: tl.constexpr):
+                 WIN: tl.constexpr, CAP2: tl.constexpr, RESTREAM: tl.constexpr):
     q = tl.program_id(0)
     if TRACE:  # timeline for tuning (GPU only), per program: start, bound known, chunk compacted, selected; the
         # selecting program also its candidates gathered (slot 4) and its search done (slot 7)
@@ -599,7 +674,8 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
             tl.atomic_xchg(ARRIVE + r, 0, sem="relaxed")
             tl.atomic_xchg(BOUND + r, 0, sem="relaxed")
         _select(Xr, CK + r64 * P * CHUNK, CI + r64 * P * CHUNK, CNTr, OUT + r64 * stride_o, N, k, P, TR + 8 * q,
-                KEY_BITS, NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR, TRACE, low_u, WIN)
+                KEY_BITS, NAN16, CHUNK, CAP, PP, TILE, OFF, UMAX, MASKED, PAIR, TRACE, low_u, WIN, CAP2, STRIDE, J2,
+                J2_HI, S, FLIP, RESTREAM)
         if TRACE:
             tl.store(TR + 8 * q + 3, _now())
             tl.store(TR + 8 * q + 6, 1)
@@ -857,9 +933,29 @@ def _radix_topk(x: torch.Tensor, k: int, o: torch.Tensor, block: int | None, num
                         BLOCK=block, SUB=sub, S_POW2=triton.next_power_of_2(blocks), num_warps=4)
 
 
+def _sample_size(n: int, k: int, cap: int, cap2: int, z: float, sample: int | None) -> tuple[int, int, int, float]:
+    """(S, J, J_HI, 0 or the candidates' mean + 4 deviations when no sample fits): the smallest sample (or `sample`)
+    whose bound leaves <= cap candidates with 4 deviations to spare, or with cap2 > 0, <= cap with 2 and <= cap2
+    with 5; J = e + z sqrt(e) + 2 for the e = k S / n sample keys expected above the k-th largest score."""
+    best = None
+    s = 8
+    while s * 8 <= n and s <= 16384:
+        e = k * s / n
+        j = max(1, min(s, math.ceil(e + z * math.sqrt(e)) + 2))
+        j_hi = min(s, j + max(2, j // 16))
+        mean = j_hi * n / s
+        sd = math.sqrt(mean * n / s)
+        fits = mean + 4 * sd <= cap or (cap2 > 0 and mean + 2 * sd <= cap and mean + 5 * sd <= cap2)
+        best = (s, j, j_hi, 0.0 if fits else mean + 4 * sd)
+        if (sample is None and fits) or s == sample:
+            break
+        s *= 2
+    return best
+
+
 @functools.lru_cache(maxsize=1024)  # 25-34 µs of Python per build (results/topk-plan-cost-cpu.json); read-only result
 def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: int | None = None,
-          cap: int | None = None, sample: int | None = None, z: float = 5.0) -> dict | None:
+          cap: int | None = None, sample: int | None = None, z: float | None = None, z2: float = 10.0) -> dict | None:
     """Sizes for the one-launch path, or None when it does not apply (k > 8192). About one program per
     multiprocessor: each row gets n_sm // rows chunks (at most _P_MAX), a power of two each."""
     fixed_cap = cap is not None
@@ -869,40 +965,42 @@ def _plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: 
     chunk = chunk or triton.next_power_of_2(triton.cdiv(n, min(_P_MAX, max(1, n_sm // rows))))
     chunk = min(max(chunk, triton.next_power_of_2(triton.cdiv(n, _P_MAX))), max(16, triton.next_power_of_2(n)))
     plan = dict(chunk=chunk, p=triton.cdiv(n, chunk), tile=min(tile or 4096, chunk), has_bound=False, s=8, stride=8,
-                j=1, j_hi=1)
+                j=1, j_hi=1, j2=1, j2_hi=1, cap2=0)
     if n <= cap:  # every score is a candidate
         plan["cap"] = max(16, triton.next_power_of_2(n))
         return plan
-    # the smallest strided sample (S scores in groups of 8, S <= n / 8) whose bound leaves <= cap candidates
-    # with 4 standard deviations to spare (about 3e-5 of rows, which then take the fallback); a larger cap if none
-    # does. J sits z = 5 deviations above the e = k S / n sample keys expected above T: fewer than k candidates
-    # (the other fallback) in about 3e-7 of rows.
-    best = None
-    s = 8
-    while s * 8 <= n and s <= 16384:
-        e = k * s / n
-        j = max(1, min(s, math.ceil(e + z * math.sqrt(e)) + 2))
-        j_hi = min(s, j + max(2, j // 16))
-        mean = j_hi * n / s
-        worst = mean + 4 * math.sqrt(mean * n / s)
-        best = (s, j, j_hi, worst)
-        if (sample is None and worst <= cap) or s == sample:
-            break
-        s *= 2
-    s, j, j_hi, worst = best
+    # The smallest strided sample (S scores in groups of 8, S <= n / 8) whose bound leaves <= cap candidates with 4
+    # standard deviations to spare, J z = 5 deviations above the e = k S / n sample keys expected above T (fewer than
+    # k candidates in ~3e-7 of rows); a larger cap if none does. Where that sample holds 4096 scores or more, its
+    # rounds cost more than the rare rows it spares (below): then the smallest sample that leaves <= cap with 2
+    # deviations and <= cap2 = 2 cap with 5, J at z = 4 (too few in ~1e-5 of rows: 0 of 114688 measured, S = 4096).
+    # Rows over cap take cap2 lanes, not the slices fallback (unless a cap is forced: the tests' way to reach it);
+    # rows with too few stream again from the sample's J2-th key (z2 = 10 deviations) instead of the row fallback.
+    # H100, session 23 (`results/topk-session23-h100.json`), against z = 5 with 4 deviations: 32 x 131072, k 2048
+    # (S 8192 -> 4096) 25.7 -> 23.4 us; k 4096 (4096 -> 2048) 28.1 -> 26.8; 32 x 32768 (2048 -> 1024) 15.5 -> 15.9.
+    cap2 = 2 * cap if 2 * cap <= _CAP_MAX and not fixed_cap else 0
+    strict = _sample_size(n, k, cap, 0, 5.0 if z is None else z, sample)
+    if cap2 and (sample is not None or strict[0] >= 4096):
+        s, j, j_hi, worst = _sample_size(n, k, cap, cap2, 4.0 if z is None else z, sample)
+    else:  # rows over cap are rare enough for the slices fallback (the second lane count cost 0.15-0.23 us there)
+        s, j, j_hi, worst = strict
+        cap2 = 0
     while worst > cap and cap < _CAP_MAX and not sample and not fixed_cap:
         cap *= 2
+        cap2 = 2 * cap if cap2 and 2 * cap <= _CAP_MAX else 0
+    e = k * s / n
+    j2 = max(1, min(s, math.ceil(e + z2 * math.sqrt(e)) + 2))
     # 2048-score tiles stream faster than 4096 when the candidates fit 4096 (H100, L2-cold, 32 x 131072 fp32, k 2048:
     # 30.4 against 33.0 us; 8 rows 23.3 / 26.5; bf16 30.9 / 33.4; 32 x 32768 18.0 / 20.2), slower above (k 4096:
     # 34.9 / 34.0; k 8192: 47.4 / 45.6). results/topk-tuning-h100-session6.json
-    plan.update(cap=cap, has_bound=True, s=s, stride=n // (s // 8), j=j, j_hi=j_hi,
-                tile=min(tile or (2048 if cap <= 4096 else 4096), chunk))
+    plan.update(cap=cap, cap2=cap2, has_bound=True, s=s, stride=n // (s // 8), j=j, j_hi=j_hi, j2=j2,
+                j2_hi=min(s, j2 + max(2, j2 // 16)), tile=min(tile or (2048 if cap <= 4096 else 4096), chunk))
     return plan
 
 
 @functools.lru_cache(maxsize=1024)
 def _short_row_plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = None, tile: int | None = None,
-                    z: float = 5.0) -> dict | None:
+                    z: float | None = None, z2: float = 10.0) -> dict | None:
     """Rows of at most _CAP_MAX scores: the sampled bound when its candidates fit half the registers that every score
     would take (rows over 2048 scores), else every score a candidate. Session 17 (H100, µs graph, exact on every
     input; `results/topk-short-rows-h100.json`), every score a candidate -> this rule: 32 x 8192, k 128 20.3 -> 10.6;
@@ -910,9 +1008,9 @@ def _short_row_plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = No
     45.8 -> 16.8; 1 x 16384, k 512 140.6 -> 14.7; integer rows in [0, 40) 25.9 -> 14.7 (32 x 8192, k 128); constant
     rows lose (9.3 -> 23.4: every score ties the bound, the select falls back to the slices). Rows of 1024 scores
     took 8.0 with every score and 8.5 with the bound, so short rows keep every score."""
-    whole = _plan(n, k, rows, n_sm, chunk, tile, n, None, z)
+    whole = _plan(n, k, rows, n_sm, chunk, tile, n, None, z, z2)
     if n > 2048:
-        bounded = _plan(n, k, rows, n_sm, chunk, tile, None, None, z)
+        bounded = _plan(n, k, rows, n_sm, chunk, tile, None, None, z, z2)
         if bounded is not None and bounded["has_bound"] and 2 * bounded["cap"] <= whole["cap"]:
             return bounded
     return whole
@@ -988,9 +1086,10 @@ def describe_default() -> str:
 def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
          _block: int | None = None, _num_warps: int | None = None, _path: str | None = None,
          _chunk: int | None = None, _cap: int | None = None, _sample: int | None = None,
-         _tile: int | None = None, _z: float = 5.0, _maxnreg: int | None = None,
+         _tile: int | None = None, _z: float | None = None, _z2: float = 10.0, _maxnreg: int | None = None,
          _trace: torch.Tensor | None = None, _pair: bool | None = None,
-         _tile_pairs: bool | None = None, _window: bool | None = None) -> torch.Tensor:
+         _tile_pairs: bool | None = None, _window: bool | None = None, _cap2: int | None = None,
+         _restream: bool | None = None) -> torch.Tensor:
     """scores [..., N] (fp32/fp16/bf16) -> int64 indices [..., k] of the k largest per row.
 
     Exact: ties go to the lower index; each row's k indices come in ascending index order (not by score).
@@ -1005,7 +1104,9 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     106.7, [0, 40) 46.4 / 93.1, [0, 600) 36.9 / 87.2; negated Adamas-like distances 39.9 / 90.1; half-steps 31.5 /
     88.7; bf16 integers 50.6 / 94.5; only constant rows lose (223 / 148). `_tile_pairs` (stream tiles two at a time)
     and `_window` (the select's candidate window): None = `_loop_rule`'s measured default (module docstring, sessions
-    20-22). Rows of at most _CAP_MAX scores take the
+    20-22). `_z` / `_z2`: the deviations of the bound's J and the second bound's J2 (None: `_plan`'s rule); `_cap2`:
+    the second lane count (None: the plan's, 0: none); `_restream`: False turns the second bound off (session 23).
+    Rows of at most _CAP_MAX scores take the
     fused kernel too (one launch instead of six, which is what an eager decode step pays for: ~40 µs of Python per
     Triton launch on the H100 machine), with the sampled bound or every score a candidate (`_short_row_plan`).
     """
@@ -1023,17 +1124,20 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
         if scores.is_cuda:
             n_sm = num_sms(scores.device)
             if _cap is None and _sample is None and n <= _CAP_MAX:
-                plan = _short_row_plan(n, k, rows, n_sm, _chunk, _tile, _z)
+                plan = _short_row_plan(n, k, rows, n_sm, _chunk, _tile, _z, _z2)
             else:
-                plan = _plan(n, k, rows, n_sm, _chunk, _tile, _cap, _sample, _z)
+                plan = _plan(n, k, rows, n_sm, _chunk, _tile, _cap, _sample, _z, _z2)
         else:  # the interpreter: small chunks and tiles, so that the loops and the gather run
-            plan = _plan(n, k, rows, 4 * rows, _chunk or 512, _tile or 128, _cap, _sample, _z)
+            plan = _plan(n, k, rows, 4 * rows, _chunk or 512, _tile or 128, _cap, _sample, _z, _z2)
     if plan is None:
         _radix_topk(x, k, o, _block, _num_warps)
         return out
 
     bits = _KEY_BITS[scores.dtype]
     chunk, p, cap = plan["chunk"], plan["p"], plan["cap"]
+    cap2 = plan["cap2"] if _cap2 is None else _cap2
+    if cap2 and (cap2 <= cap or cap2 > _CAP_MAX or cap2 & (cap2 - 1)):
+        raise ValueError(f"topk: _cap2={cap2} must be a power of two above the plan's cap {cap}, at most {_CAP_MAX}")
     t = _fused_scratch(scores.device, rows, p, chunk)
     xv = x.view(torch.int32 if bits == 32 else torch.int16)
     warps = _num_warps or (16 if cap >= 16384 else 8)
@@ -1046,11 +1150,13 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     _topk_kernel[(rows * p,)](
         xv, o, t["ck"], t["ci"], t["cnt"], t["bound"], t["arrive"], t["done"], t["cnt"] if _trace is None else _trace,
         n, k, xv.stride(0), o.stride(0), p,
-        plan["stride"], plan["j"], plan["j_hi"], KEY_BITS=bits, NAN16=_NAN_EXP.get(scores.dtype, 0), CHUNK=chunk,
+        plan["stride"], plan["j"], plan["j_hi"], plan["j2"], plan["j2_hi"], KEY_BITS=bits,
+        NAN16=_NAN_EXP.get(scores.dtype, 0), CHUNK=chunk,
         CAP=cap, S=plan["s"], PP=pp, TILE=tile, HAS_BOUND=plan["has_bound"],
         OFF=(1 << 31) if bits == 32 else 0, UMAX=(1 << bits) - 1, MASKED=_I32_MIN if bits == 32 else 0,
         FLIP=_I32_MIN if bits == 32 else 0, PAIR=scores.is_cuda if _pair is None else _pair, EVEN=n % chunk == 0,
-        TRACE=_trace is not None, TILE_PAIRS=pairs, WIN=win, num_warps=warps, **extra)
+        TRACE=_trace is not None, TILE_PAIRS=pairs, WIN=win, CAP2=cap2,
+        RESTREAM=plan["has_bound"] if _restream is None else _restream and plan["has_bound"], num_warps=warps, **extra)
     return out
 
 

@@ -107,6 +107,7 @@ def test_paired_tiles(dtype, pairs):
         _check(x.to(dtype).to(DEV), k, _tile_pairs=pairs)
     _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=pairs, _cap=256)
     _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=pairs, _z=-30.0)
+    _check(rnd.to(dtype).to(DEV), 90, _tile_pairs=pairs, _z=-30.0, _z2=-30.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -126,6 +127,53 @@ def test_candidate_window(dtype):
         assert plan["has_bound"] and win < 2 * k
     for knobs in ({}, {"_window": True}, {"_window": False}, {"_window": True, "_tile_pairs": False}):
         _check(x.to(dtype).to(DEV), k, **knobs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_second_lane_count(dtype):
+    """`_cap2`: a row of CAP < C <= CAP2 candidates takes CAP2 lanes instead of the slices fallback. One launch holds
+    a row within CAP, one within CAP2 and one above it (the fallback): the sampled positions hold randn scores, the
+    others randn scaled up, which lets more of them pass the sample's bound."""
+    from sparsekv.kernels.topk import _fused_scratch, _plan
+    n, k, cap, cap2 = 4096, 90, 512, 1024
+    plan = _plan(n, k, 3, 12, 512, 128, cap)  # the interpreter's plan on the CPU
+    i = torch.arange(plan["s"])
+    off_sample = torch.ones(n, dtype=torch.bool)
+    off_sample[(i // 8) * plan["stride"] + i % 8] = False
+    x = torch.randn(3, n, generator=_gen(14))
+    x[1, off_sample] *= 1.6
+    x[2, off_sample] *= 3.0
+    x = x.to(dtype).to(DEV)
+    _check(x, k, _cap=cap, _cap2=cap2)
+    if not CUDA:
+        c = _fused_scratch(x.device, 3, plan["p"], plan["chunk"])["cnt"].sum(1)
+        assert c[0] <= cap < c[1] <= cap2 < c[2], c
+    _check(x, k, _cap=cap, _cap2=cap2, _window=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_second_bound_restream(dtype):
+    """A row with fewer than k candidates streams again from the sample's J2-th key: B sampled scores raised far
+    above the rest put the first bound among them (B > J_HI: C about B < k); B < J2 lets the second bound through
+    (row 0), B > J2 does not and the row takes the fallback from the row (row 2); row 1 is plain. One launch."""
+    from sparsekv.kernels.topk import _fused_scratch, _plan
+    n, k = 4096, 90
+    plan = _plan(n, k, 3, 12, 512, 128)  # the interpreter's plan on the CPU
+    i = torch.arange(plan["s"])
+    sampled = (i // 8) * plan["stride"] + i % 8
+    x = torch.randn(3, n, generator=_gen(15))
+    lo_b, hi_b = (plan["j_hi"] + plan["j2"]) // 2, plan["j2_hi"] + 10  # B for rows 0 and 2
+    if not CUDA:
+        assert plan["j_hi"] < lo_b < plan["j2"] and plan["j2_hi"] < hi_b < k
+    pick = sampled[torch.randperm(len(sampled), generator=_gen(16))]
+    x[0, pick[:lo_b]] += 8.0
+    x[2, pick[:hi_b]] += 8.0
+    x = x.to(dtype).to(DEV)
+    _check(x, k)
+    if not CUDA:
+        c = _fused_scratch(x.device, 3, plan["p"], plan["chunk"])["cnt"].sum(1)
+        assert c[0] >= k and c[2] < k, c  # row 0 streamed again (counts rewritten), row 2 still too few
+    _check(x, k, _window=False, _tile_pairs=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,8 +208,10 @@ def test_forced_fallbacks(dtype):
     for x in (rnd, ties):
         for k in (1, 90, 700):
             _check(x, k, _cap=max(256, k))  # cap about k: more candidates than registers -> from the slices
-        _check(x, 90, _z=-30.0)  # bound far too high: fewer than k candidates -> from the row
+        _check(x, 90, _z=-30.0)  # bound far too high: fewer than k candidates -> the row again, lower bound
+        _check(x, 90, _z=-30.0, _z2=-30.0)  # the second bound too high as well -> from the row
     _check(rnd, 1200, _z=-30.0)
+    _check(rnd, 1200, _z=-30.0, _z2=-30.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -269,7 +319,8 @@ def test_gpu_adversarial_rows(rows):
     for k in (1, 2048, 8192):
         _check(x, k)
         _check(x.to(torch.bfloat16), k)
-    _check(x, 2048, _z=-30.0)  # every row through the from-the-row fallback
+    _check(x, 2048, _z=-30.0)  # every row streamed again from a lower bound
+    _check(x, 2048, _z=-30.0, _z2=-30.0)  # every row through the from-the-row fallback
     _check(x, 2048, _cap=2048)  # every row through the from-the-slices fallback
     for _ in range(20):  # repeated calls: same scratch, same answer (a race would show here)
         assert torch.equal(topk(x, 2048), topk(x, 2048))
@@ -309,6 +360,26 @@ def test_plan_tile_rule():
     p = _plan(16384, 100, 1, 4, cap=16384)  # every score a candidate: no bound, 4096-score tiles
     assert not p["has_bound"] and p["chunk"] == 4096 and p["tile"] == 4096
     assert _plan(100000, 9000, 1, 132) is None  # k > 8192: the radix path
+
+
+def test_plan_sample_rule():
+    """Where the strict sample (J at z = 5, 4 deviations below cap) holds >= 4096 scores, the plan takes the smaller
+    one that leaves 2 deviations below cap and 5 below cap2 = 2 cap, J at z = 4 (measured faster on the H100); else
+    the strict one and no cap2. Every bounded plan's J2 lies above its J_HI (the second bound is lower)."""
+    from sparsekv.kernels.topk import _plan, _short_row_plan
+    p = _plan(131072, 2048, 32, 132)
+    assert (p["s"], p["j"], p["cap"], p["cap2"]) == (4096, 98, 4096, 8192)
+    assert _plan(131072, 4096, 32, 132)["s"] == 2048 and _plan(131072, 4096, 32, 132)["cap2"] == 16384
+    p = _plan(32768, 2048, 32, 132)
+    assert (p["s"], p["j"], p["cap2"]) == (2048, 187, 0)
+    assert _plan(131072, 8192, 32, 132)["cap2"] == 0  # 2 cap over 16384
+    assert _plan(131072, 2048, 32, 132, cap=4096)["cap2"] == 0  # a forced cap: no second lane count
+    for n, k in [(1 << 22, 2048), (1 << 24, 1024), (1 << 24, 64)]:  # no sample fits: a larger cap
+        p = _plan(n, k, 32, 132)
+        assert p["cap2"] == 0 or p["cap2"] == 2 * p["cap"], (n, k, p)
+    for n, k in [(131072, 2048), (131072, 64), (32768, 2048), (524288, 2048), (8192, 128), (16383, 2047)]:
+        p = _short_row_plan(n, k, 32, 132) if n <= 16384 else _plan(n, k, 32, 132)
+        assert p["has_bound"] and p["j_hi"] < p["j2"] <= p["s"], (n, k, p)
 
 
 def test_loop_rule():

@@ -1,7 +1,7 @@
 """Session 22: SASS instruction counts (sm_90, compiled here without a GPU by this machine's Triton) of a kernel that
-runs the bound's counting rounds over S keys held in registers, with `_count4` as in kernels/topk.py ("current": 0/1
-flags shifted and or-ed into two 16-bit-packed words) against a select chain ("chain": each word is 0, 1 or 0x10001
-by two nested selects). Whole-kernel counts (loads and the loop's scalar work included); the device's Triton (3.6)
+runs the bound's counting rounds over S keys held in registers, with `_count4` as it was until session 22 ("current":
+0/1 flags shifted and or-ed into two 16-bit-packed words) against a select chain ("chain": each word is 0, 1 or
+0x10001 by two nested selects; kernels/topk.py's `_count4` since session 23, which compiles to the same count). Whole-kernel counts (loads and the loop's scalar work included); the device's Triton (3.6)
 may schedule differently.
 
     python results/scripts/topk_count_sass.py
@@ -16,6 +16,13 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import sparsekv.kernels.topk as T
+
+@triton.jit
+def _count4_flags(s, t1, t2, t3, t4, OFF: tl.constexpr):
+    va = T._ge(s, t1, OFF) | (T._ge(s, t2, OFF) << 16)
+    vb = T._ge(s, t3, OFF) | (T._ge(s, t4, OFF) << 16)
+    ta, tb = tl.reduce((va, vb), 0, T._add2)
+    return ta & 0xFFFF, ta >> 16, tb & 0xFFFF, tb >> 16
 
 @triton.jit
 def _count4_chain(s, t1, t2, t3, t4, OFF: tl.constexpr):
@@ -38,7 +45,7 @@ def kern(X, O, lo0, hi0, R, S: tl.constexpr, V: tl.constexpr):
     for r in range(R):
         t1, t2, t3, t4 = T._thresholds(lo, hi)
         if V == 0:
-            n1, n2, n3, n4 = T._count4(s, t1, t2, t3, t4, 1 << 31, True)
+            n1, n2, n3, n4 = _count4_flags(s, t1, t2, t3, t4, 1 << 31)
         else:
             n1, n2, n3, n4 = _count4_chain(s, t1, t2, t3, t4, 1 << 31)
         acc += n1 + 3 * n2 + 5 * n3 + 7 * n4
