@@ -1016,6 +1016,19 @@ def _short_row_plan(n: int, k: int, rows: int, n_sm: int, chunk: int | None = No
     return whole
 
 
+def _fused_plan(device: torch.device, rows: int, n: int, k: int, chunk: int | None = None, tile: int | None = None,
+                cap: int | None = None, sample: int | None = None, z: float | None = None,
+                z2: float = 10.0) -> dict | None:
+    """The plan `topk` runs on rows x n scores on `device` with these knobs (None: the radix path)."""
+    if device.type == "cuda":
+        n_sm = num_sms(device)
+        if cap is None and sample is None and n <= _CAP_MAX:
+            return _short_row_plan(n, k, rows, n_sm, chunk, tile, z, z2)
+        return _plan(n, k, rows, n_sm, chunk, tile, cap, sample, z, z2)
+    # the interpreter: small chunks and tiles, so that the loops and the gather run
+    return _plan(n, k, rows, 4 * rows, chunk or 512, tile or 128, cap, sample, z, z2)
+
+
 def _loop_rule(plan: dict, bits: int, tile_pairs: bool | None = None, window: bool | None = None) -> tuple[bool, int]:
     """(tiles two at a time, the select's candidate window WIN or 0) for a plan; None = the measured default. H100,
     session 22 (`results/topk-session22-h100.json`, µs graph over rotated inputs, each against the same kernel without
@@ -1121,14 +1134,7 @@ def topk(scores: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
     if path not in ("radix", "fused"):
         raise ValueError(f"topk: path must be 'radix' or 'fused', got {path!r}")
     if path == "fused":
-        if scores.is_cuda:
-            n_sm = num_sms(scores.device)
-            if _cap is None and _sample is None and n <= _CAP_MAX:
-                plan = _short_row_plan(n, k, rows, n_sm, _chunk, _tile, _z, _z2)
-            else:
-                plan = _plan(n, k, rows, n_sm, _chunk, _tile, _cap, _sample, _z, _z2)
-        else:  # the interpreter: small chunks and tiles, so that the loops and the gather run
-            plan = _plan(n, k, rows, 4 * rows, _chunk or 512, _tile or 128, _cap, _sample, _z, _z2)
+        plan = _fused_plan(scores.device, rows, n, k, _chunk, _tile, _cap, _sample, _z, _z2)
     if plan is None:
         _radix_topk(x, k, o, _block, _num_warps)
         return out
