@@ -276,6 +276,10 @@ def test_bad_arguments():
         topk(x.double(), 2)
     with pytest.raises(ValueError, match="topk: the input needs at least one dimension"):
         topk(torch.tensor(1.0, device=DEV), 1)
+    y = torch.randn(2, 4096, device=DEV)
+    for cap2 in (512, 768, 32768):  # not above the cap, not a power of two, over 16384
+        with pytest.raises(ValueError, match="_cap2"):
+            topk(y, 90, _path="fused", _cap=512, _cap2=cap2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
