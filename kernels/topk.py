@@ -472,17 +472,11 @@ def _restream(Xr, CKr, CIr, CNTr, N, P, low, CHUNK: tl.constexpr, TILE: tl.const
     for p in range(0, P):
         run = tl.zeros([], tl.int32)
         i0 = p * CHUNK + jt
-        b1 = tl.load(Xr + i0, mask=i0 < N, other=0)
+        b1 = _tile_load(Xr, i0, jt, 0, N, NT, TILE, False)
         for t in range(NT):
             b0 = b1
-            nxt = i0 + (t + 1) * TILE
-            b1 = tl.load(Xr + nxt, mask=(nxt < N) & (t + 1 < NT), other=0)
-            idx = i0 + t * TILE
-            cand = _passes(b0, idx, low, N, KEY_BITS, NAN16, False)
-            c = cand.to(tl.int32)
-            _put(CKr + p * CHUNK, CIr + p * CHUNK, _scatter_offsets(run + tl.cumsum(c, 0) - c, cand, run), b0, idx,
-                 cand)
-            run += tl.sum(c, 0)
+            b1 = _tile_load(Xr, i0 + (t + 1) * TILE, jt, t + 1, N, NT, TILE, False)
+            run = _compact(CKr + p * CHUNK, CIr + p * CHUNK, b0, i0 + t * TILE, low, N, run, KEY_BITS, NAN16, False)
         tl.store(CNTr + p, run)
         total += run
     tl.debug_barrier()  # the slices' stores are done before any thread gathers them
@@ -594,6 +588,16 @@ def _put(CKs, CIs, pos, b, idx, cand):
 
 
 @triton.jit
+def _compact(CKs, CIs, b, idx, low, N, run, KEY_BITS: tl.constexpr, NAN16: tl.constexpr, EVEN: tl.constexpr):
+    """One tile's scores >= L stored after the `run` earlier ones of its chunk's slice, in index order; returns the
+    new running count."""
+    cand = _passes(b, idx, low, N, KEY_BITS, NAN16, EVEN)
+    c = cand.to(tl.int32)
+    _put(CKs, CIs, _scatter_offsets(run + tl.cumsum(c, 0) - c, cand, run), b, idx, cand)
+    return run + tl.sum(c, 0)
+
+
+@triton.jit
 def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, stride_o, P, STRIDE, J, J_HI, J2,
                  J2_HI, KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
                  S: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, HAS_BOUND: tl.constexpr,
@@ -656,11 +660,7 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, TR, N, k, stride_x, s
     else:  # one tile at a time
         for t in range(NT):
             b2 = _tile_load(Xr, i0 + (t + 2) * TILE, jt, t + 2, N, NT, TILE, EVEN)
-            idx = i0 + t * TILE
-            cand = _passes(b0, idx, low, N, KEY_BITS, NAN16, EVEN)
-            c = cand.to(tl.int32)
-            _put(CKs, CIs, _scatter_offsets(run + tl.cumsum(c, 0) - c, cand, run), b0, idx, cand)  # index order
-            run += tl.sum(c, 0)
+            run = _compact(CKs, CIs, b0, i0 + t * TILE, low, N, run, KEY_BITS, NAN16, EVEN)
             b0 = b1
             b1 = b2
     CNTr = CNT + r64 * P
