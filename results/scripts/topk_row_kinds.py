@@ -18,6 +18,17 @@ def gen(d, rows=32, n=131072, dev="cuda"):
     return x
 
 
+def candidate_counts(M, kw, d, plan, total, rows=32, n=131072, k=2048):
+    """Each row's candidate count (the sum of its per-chunk counts, read from the call's own scratch) for `total`
+    fresh rows of kind d, `rows` a call, through module M's topk with knobs kw and plan `plan`."""
+    got = []
+    for _ in range(total // rows):
+        x = gen(d, rows, n)
+        M.topk(x, k, **kw)
+        got.append(M._fused_scratch(x.device, rows, plan["p"], plan["chunk"])["cnt"].sum(1))
+    return torch.cat(got)
+
+
 def time_rows(d, rows, n, k, dt, fns, passes, out, t0, save):
     """CUDA-graph time of each (name, topk, knobs) in fns over 4 rotated inputs of kind d, each call checked against
     the reference; one record per function and pass appended to `out`, `save()` after each pass."""

@@ -10,7 +10,7 @@ Needs CUDA."""
 import json, sys, time, torch
 import sparsekv.kernels.topk as B
 sys.path.insert(0, "results/scripts")
-from topk_row_kinds import KINDS, gen, time_rows  # noqa: E402
+from topk_row_kinds import KINDS, candidate_counts, time_rows  # noqa: E402
 OUT = sys.argv[1]; t0 = time.time()
 VARS = eval(sys.argv[2])
 res = dict(device=torch.cuda.get_device_name(), rows=[], fallbacks=[])
@@ -21,12 +21,8 @@ for d in KINDS:
     for kw in VARS:
         plan = B._plan(131072, 2048, 32, B.num_sms(torch.device("cuda")), None, kw.get("_tile"), kw.get("_cap"),
                        kw.get("_sample"), kw.get("_z"))  # None: the plan's own z (5 until session 23)
-        few = many = 0
-        for _ in range(32):
-            x = gen(d)
-            B.topk(x, 2048, **kw)
-            c = B._fused_scratch(x.device, 32, plan["p"], plan["chunk"])["cnt"].sum(1)
-            few += int((c < 2048).sum()); many += int((c > plan["cap"]).sum())
+        c = candidate_counts(B, kw, d, plan, 1024)
+        few = int((c < 2048).sum()); many = int((c > plan["cap"]).sum())
         res["fallbacks"].append(dict(dist=d, kw=str(kw), rows=1024, too_few=few, too_many=many, cap=plan["cap"],
                                      s=plan["s"], j=plan["j"], j_hi=plan["j_hi"]))
         print(res["fallbacks"][-1], flush=True)

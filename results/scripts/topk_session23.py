@@ -14,7 +14,7 @@ from the call's per-chunk counts (a row streamed again shows its second counts);
 """
 import importlib, json, sys, time, torch
 sys.path.insert(0, "results/scripts")
-from topk_row_kinds import KINDS, gen, time_rows, trace_rows  # noqa: E402
+from topk_row_kinds import KINDS, candidate_counts, time_rows, trace_rows  # noqa: E402
 OUT = sys.argv[1]; t0 = time.time()
 MODS = dict(lib="sparsekv.kernels.topk", o="sparsekv.kernels.topk_o")
 VARS = [(name, importlib.import_module(MODS[name]), kw) for name, kw in eval(sys.argv[2])]
@@ -40,13 +40,9 @@ for d in ("randn",) if MAIN else KINDS:
         zs = (kw["_z"],) if "_z" in kw else ()
         plan = M._plan(131072, 2048, 32, M.num_sms(dev), None, kw.get("_tile"), kw.get("_cap"), kw.get("_sample"), *zs)
         cap2 = kw.get("_cap2", plan.get("cap2", 0)) or plan["cap"]
-        few = over = over2 = 0; top = 0
-        for _ in range(ROWS // 32):
-            xr = gen(d)
-            M.topk(xr, 2048, **kw)
-            c = M._fused_scratch(xr.device, 32, plan["p"], plan["chunk"])["cnt"].sum(1)  # the call's own scratch
-            few += int((c < 2048).sum()); over += int((c > plan["cap"]).sum()); over2 += int((c > cap2).sum())
-            top = max(top, int(c.max()))
+        c = candidate_counts(M, kw, d, plan, ROWS)
+        few, over, over2, top = (int((c < 2048).sum()), int((c > plan["cap"]).sum()), int((c > cap2).sum()),
+                                 int(c.max()))
         res["rates"].append(dict(dist=d, kernel=name, kw=str(kw), rows=ROWS, too_few=few, over_cap=over,
                                  over_cap2=over2, max_c=top, cap=plan["cap"], cap2=cap2, s=plan["s"], j=plan["j"],
                                  j_hi=plan["j_hi"]))
