@@ -1,0 +1,35 @@
+"""code_topk.nearest_k (first form: one scan per row per tile) against code_topk (count select): exactness, timings, knobs.
+usage: python results/scripts/code_topk_check.py OUT.json (run B of results/code-topk-fused-h100-session24.json; H100 output there).
+Needs kernels/code_topk.py of that first form (described in the JSON; the patch holds the later, packed form)."""
+import json, sys, torch
+from triton.testing import do_bench_cudagraph as dbg
+import sparsekv.kernels.adamas as KA
+from sparsekv.kernels.code_topk import nearest_k
+torch.manual_seed(0)
+def t(f): return round(dbg(f, rep=100) * 1000, 2)
+rows = []
+for seq in (32768, 131072):
+    n = seq - 1; k = 2047
+    codes = torch.randint(-32768, 32767, (1, 8, seq, 16), dtype=torch.int16, device="cuda")
+    qw = torch.randint(-32768, 32767, (1, 32, 16), dtype=torch.int16, device="cuda")
+    c1 = torch.randint(-32768, 32767, (1, 8, seq, 8), dtype=torch.int16, device="cuda")
+    q1 = torch.randint(-32768, 32767, (1, 32, 8), dtype=torch.int16, device="cuda")
+    for pool in (None, "sum"):
+        ref = KA.code_topk(qw, codes, n, 128, k, pool=pool)
+        r = dict(seq=seq, pool=pool or "head", count_select=t(lambda: KA.code_topk(qw, codes, n, 128, k, pool=pool)))
+        for kw in ({}, dict(_window=True), dict(_chunk=4096 if seq > 40000 else 1024), dict(_chunk=16384 if seq > 40000 else 4096),
+                   dict(_tile=128), dict(_tile=512), dict(_num_warps=4), dict(_num_warps=16), dict(_z=5.0),
+                   dict(_z=-30.0), dict(_z=-30.0, _z2=-30.0), dict(_cap=4096, _cap2=0), dict(_cap=2048, _cap2=0)):
+            try:
+                got = nearest_k(qw, codes, n, 128, k, pool=pool, **kw)
+                ok = torch.equal(got, ref)
+                r[str(kw)] = (t(lambda: nearest_k(qw, codes, n, 128, k, pool=pool, **kw)), ok)
+            except Exception as e:
+                r[str(kw)] = repr(e)[:200]
+        ref1 = KA.code_topk(q1, c1, n, 128, k, bits=1, pool=pool)
+        r["lsh_count_select"] = t(lambda: KA.code_topk(q1, c1, n, 128, k, bits=1, pool=pool))
+        r["lsh_nearest"] = (t(lambda: nearest_k(q1, c1, n, 128, k, bits=1, pool=pool)),
+                            torch.equal(nearest_k(q1, c1, n, 128, k, bits=1, pool=pool), ref1))
+        cnt = None
+        rows.append(r); print(r, flush=True)
+json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, open(sys.argv[1], "w"), indent=1)
