@@ -1,0 +1,22 @@
+"""code_topk with count select before / after vector loads (run I of results/code-topk-fused-h100-session24.json; H100 output there).
+usage: python results/scripts/count_select_vector_loads.py OUT.json. Needs results/count-select-vector-loads-session24.patch applied and the committed kernels/count_select.py copied to kernels/count_select_before.py."""
+import json, sys, torch
+import sparsekv.kernels.adamas as KA
+from sparsekv.kernels import count_select_before as OLD
+exec(open("results/scripts/profile_util.py").read())
+rows = []
+for seq in (131072, 32768):
+    n = seq - 1; k = 2047
+    codes = torch.randint(-32768, 32767, (1, 8, seq, 16), dtype=torch.int16, device="cuda")
+    qw = torch.randint(-32768, 32767, (1, 32, 16), dtype=torch.int16, device="cuda")
+    for pool in (None, "sum"):
+        vmax = KA._max_distance(128, 2, "l1", 4 if pool else 1)
+        def old():
+            d = KA._launch_distance(qw, codes, n, 128, 2, "l1", pool, torch.int16, False, None, 4)
+            return OLD.smallest_k(d, k, vmax)
+        new = lambda: KA.code_topk(qw, codes, n, 128, k, pool=pool)
+        same = torch.equal(old(), new())
+        r = dict(seq=seq, pool=pool or "head", same=same, before=(t(old), prof(old)), after=(t(new), prof(new)),
+                 before_again=t(old), after_again=t(new))
+        rows.append(r); print(json.dumps(r), flush=True)
+json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, open(sys.argv[1], "w"), indent=1)
