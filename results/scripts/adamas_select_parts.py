@@ -7,13 +7,12 @@ from triton.testing import do_bench_cudagraph as dbg
 import sparsekv.kernels.adamas as KA
 from sparsekv.kernels import count_select
 from sparsekv.kernels.topk import topk
+from profile_util import code_inputs  # results/scripts/profile_util.py
 torch.manual_seed(0)
 rows = []
 def t(f): return round(dbg(f, rep=200) * 1000, 2)
 for seq in (32768, 131072):
-    n = seq - 1; k = 2047
-    codes = torch.randint(-32768, 32767, (1, 8, seq, 16), dtype=torch.int16, device="cuda")
-    qw = torch.randint(-32768, 32767, (1, 32, 16), dtype=torch.int16, device="cuda")
+    n, k, codes, qw = code_inputs(seq)
     for pool in (None, "sum"):
         vmax = KA._max_distance(128, 2, "l1", 4 if pool else 1)
         d16 = KA._launch_distance(qw, codes, n, 128, 2, "l1", pool, torch.int16, False, None, 4)

@@ -2,7 +2,8 @@
 usage: python results/scripts/adamas_step_profile.py OUT.json (run E of results/code-topk-fused-h100-session24.json; H100 output there).
 No patch needed."""
 import json, sys, torch
-exec(open("results/scripts/profile_util.py").read())
+from profile_util import t, prof  # results/scripts/profile_util.py
+torch.manual_seed(0)
 from sparsekv.bench.decode_step import DecodeBench, build_index
 from sparsekv.bench.shapes import from_name as get_shape
 from sparsekv.methods import get_method

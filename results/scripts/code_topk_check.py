@@ -2,18 +2,14 @@
 usage: python results/scripts/code_topk_check.py OUT.json (run B of results/code-topk-fused-h100-session24.json; H100 output there).
 Needs kernels/code_topk.py of that first form (described in the JSON; the patch holds the later, packed form)."""
 import json, sys, torch
-from triton.testing import do_bench_cudagraph as dbg
 import sparsekv.kernels.adamas as KA
 from sparsekv.kernels.code_topk import nearest_k
+from profile_util import t, code_inputs  # results/scripts/profile_util.py
 torch.manual_seed(0)
-def t(f): return round(dbg(f, rep=100) * 1000, 2)
 rows = []
 for seq in (32768, 131072):
-    n = seq - 1; k = 2047
-    codes = torch.randint(-32768, 32767, (1, 8, seq, 16), dtype=torch.int16, device="cuda")
-    qw = torch.randint(-32768, 32767, (1, 32, 16), dtype=torch.int16, device="cuda")
-    c1 = torch.randint(-32768, 32767, (1, 8, seq, 8), dtype=torch.int16, device="cuda")
-    q1 = torch.randint(-32768, 32767, (1, 32, 8), dtype=torch.int16, device="cuda")
+    n, k, codes, qw = code_inputs(seq)
+    c1, q1 = code_inputs(seq, 8)[2:]
     for pool in (None, "sum"):
         ref = KA.code_topk(qw, codes, n, 128, k, pool=pool)
         r = dict(seq=seq, pool=pool or "head", count_select=t(lambda: KA.code_topk(qw, codes, n, 128, k, pool=pool)))

@@ -2,17 +2,14 @@
 usage: python results/scripts/code_topk_knobs.py OUT.json (run D of results/code-topk-fused-h100-session24.json; H100 output there).
 Needs the patch applied, kernels/code_topk_knobs.py copied to kernels/code_topk_v0.py."""
 import json, sys, torch
-from collections import defaultdict
-from triton.testing import do_bench_cudagraph as dbg
 import sparsekv.kernels.adamas as KA
 from sparsekv.kernels import code_topk_v0 as V
 from sparsekv.kernels.topk import topk
-exec(open("results/scripts/profile_util.py").read())
+from profile_util import t, prof, code_inputs  # results/scripts/profile_util.py
+torch.manual_seed(0)
 rows = []
 for seq in (131072,):
-    n = seq - 1; k = 2047
-    codes = torch.randint(-32768, 32767, (1, 8, seq, 16), dtype=torch.int16, device="cuda")
-    qw = torch.randint(-32768, 32767, (1, 32, 16), dtype=torch.int16, device="cuda")
+    n, k, codes, qw = code_inputs(seq)
     for pool in (None, "sum"):
         ref = KA.code_topk(qw, codes, n, 128, k, pool=pool)
         r = dict(seq=seq, pool=pool or "head")

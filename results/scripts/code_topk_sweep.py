@@ -4,12 +4,11 @@ Needs results/code-topk-fused-session24.patch applied. Its C_* / over_cap fields
 import json, sys, torch
 import sparsekv.kernels.adamas as KA
 from sparsekv.kernels import code_topk as CT
-exec(open("results/scripts/profile_util.py").read())
+from profile_util import t, prof, code_inputs  # results/scripts/profile_util.py
+torch.manual_seed(0)
 rows = []
 for seq in (131072, 32768):
-    n = seq - 1; k = 2047
-    codes = torch.randint(-32768, 32767, (1, 8, seq, 16), dtype=torch.int16, device="cuda")
-    qw = torch.randint(-32768, 32767, (1, 32, 16), dtype=torch.int16, device="cuda")
+    n, k, codes, qw = code_inputs(seq)
     for pool in (None, "sum"):
         ref = KA.code_topk(qw, codes, n, 128, k, pool=pool)
         f = lambda: KA.code_topk(qw, codes, n, 128, k, pool=pool)

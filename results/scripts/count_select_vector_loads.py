@@ -3,12 +3,11 @@ usage: python results/scripts/count_select_vector_loads.py OUT.json. Needs resul
 import json, sys, torch
 import sparsekv.kernels.adamas as KA
 from sparsekv.kernels import count_select_before as OLD
-exec(open("results/scripts/profile_util.py").read())
+from profile_util import t, prof, code_inputs  # results/scripts/profile_util.py
+torch.manual_seed(0)
 rows = []
 for seq in (131072, 32768):
-    n = seq - 1; k = 2047
-    codes = torch.randint(-32768, 32767, (1, 8, seq, 16), dtype=torch.int16, device="cuda")
-    qw = torch.randint(-32768, 32767, (1, 32, 16), dtype=torch.int16, device="cuda")
+    n, k, codes, qw = code_inputs(seq)
     for pool in (None, "sum"):
         vmax = KA._max_distance(128, 2, "l1", 4 if pool else 1)
         def old():

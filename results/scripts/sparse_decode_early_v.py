@@ -6,13 +6,11 @@ from triton.testing import do_bench_cudagraph as dbg
 from sparsekv.kernels.sparse_decode import sparse_decode
 from sparsekv.kernels.reference import sparse_decode_reference
 from sparsekv.selection import Selection
+from profile_util import sorted_indices, sparse_inputs  # results/scripts/profile_util.py
 torch.manual_seed(0)
 L = 131072
-K = torch.randn(1, 8, L, 128, dtype=torch.bfloat16, device="cuda")
-V = torch.randn(1, 8, L, 128, dtype=torch.bfloat16, device="cuda")
-q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16, device="cuda")
-def idx(H, n, lo, hi):
-    return torch.sort(torch.stack([torch.randperm(hi - lo, device="cuda")[:n] + lo for _ in range(H)])[None], -1).values
+K, V, q = sparse_inputs(L)
+idx = sorted_indices  # the name the loops below use
 cases = {"head_2047_w1": (32, 2047, 0, 1), "group_2048_s128_w512": (8, 2048, 128, 512), "group_2047_w1": (8, 2047, 0, 1)}
 rows = []
 for name, (H, n, sink, win) in cases.items():
