@@ -26,6 +26,5 @@ for seq in (32768, 131072):
         r["lsh_count_select"] = t(lambda: KA.code_topk(q1, c1, n, 128, k, bits=1, pool=pool))
         r["lsh_nearest"] = (t(lambda: nearest_k(q1, c1, n, 128, k, bits=1, pool=pool)),
                             torch.equal(nearest_k(q1, c1, n, 128, k, bits=1, pool=pool), ref1))
-        cnt = None
         rows.append(r); print(r, flush=True)
 json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, open(sys.argv[1], "w"), indent=1)

@@ -33,8 +33,7 @@ def code_inputs(seq, words=16):
 
 
 def sparse_inputs(L=131072):
-    """bf16 K, V [1, 8, L, 128] and q [1, 32, 1, 128] (torch.randn), and sorted_indices(H, n, lo, hi): n distinct
-    sorted positions in [lo, hi) per head, [1, H, n]."""
+    """bf16 K, V [1, 8, L, 128] and q [1, 32, 1, 128] (torch.randn)."""
     K = torch.randn(1, 8, L, 128, dtype=torch.bfloat16, device="cuda")
     V = torch.randn(1, 8, L, 128, dtype=torch.bfloat16, device="cuda")
     q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16, device="cuda")
@@ -42,4 +41,5 @@ def sparse_inputs(L=131072):
 
 
 def sorted_indices(H, n, lo, hi):
+    """n distinct sorted positions in [lo, hi) per head: [1, H, n]."""
     return torch.sort(torch.stack([torch.randperm(hi - lo, device="cuda")[:n] + lo for _ in range(H)])[None], -1).values

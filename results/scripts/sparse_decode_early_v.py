@@ -1,6 +1,6 @@
 """sparse_decode sweep: values gathered with the keys (EARLY_V) or after the softmax, block_n, waves, warps; 4 index sets per timed call (L2-cold gathers).
 usage: python results/scripts/sparse_decode_early_v.py OUT.json (run F of results/code-topk-fused-h100-session24.json; H100 output there).
-Needs the patch's kernels/sparse_decode.py part applied."""
+Needs part 4 of results/code-topk-fused-session24.patch (kernels/sparse_decode.py, EARLY_V) applied."""
 import json, sys, torch, itertools
 from triton.testing import do_bench_cudagraph as dbg
 from sparsekv.kernels.sparse_decode import sparse_decode
