@@ -22,21 +22,23 @@ def selection_positions(sel: Selection, batch: int, heads: int, lengths: torch.T
     """Every position one decode step reads, [B, H, n] int64, -1 where a slot reads nothing.
 
     Slot order is the kernels' too: sink, then the sparse part, then the window. With per-row `lengths` the
-    window ends at each row's own length, and slots at or past it read nothing.
+    window ends at each row's own length, and slots at or past it read nothing. A layer with a sliding window
+    (`sel.span`) sees only [length - span, length): the dense slots start there, and nothing before it is read.
     """
     L = row_lengths(sel, batch, lengths, device).view(batch, 1, 1)
+    start = (L - sel.span).clamp(min=0) if sel.span else torch.zeros_like(L)
     if sel.dense:
         pos = torch.arange(int(L.max()), device=device).view(1, 1, -1).expand(batch, heads, -1)
-        return torch.where(pos < L, pos, -1)
-    sink = torch.arange(sel.sink, device=device).view(1, 1, -1).expand(batch, heads, -1)
+        return torch.where((pos < L) & (pos >= start), pos, -1)
+    sink = (start + torch.arange(sel.sink, device=device).view(1, 1, -1)).expand(batch, heads, -1)
     win = L - sel.window + torch.arange(sel.window, device=device).view(1, 1, -1)
-    win = torch.where(win >= sel.sink, win, -1).expand(batch, heads, -1)  # a short row: no re-read of sink keys
+    win = torch.where(win >= start + sel.sink, win, -1).expand(batch, heads, -1)  # a short row: no sink re-read
     parts = [sink]
     if sel.has_sparse:
         parts.append(sel.sparse_positions().to(device).long().expand(batch, heads, -1))
     parts.append(win)
     pos = torch.cat(parts, dim=-1)
-    return torch.where((pos >= 0) & (pos < L), pos, -1)
+    return torch.where((pos >= start) & (pos < L), pos, -1)
 
 
 def check_selection(sel: Selection, batch: int, heads: int, lengths: torch.Tensor | None = None) -> None:
@@ -51,12 +53,13 @@ def check_selection(sel: Selection, batch: int, heads: int, lengths: torch.Tenso
 
 
 def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection,
-                            scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, lengths: torch.Tensor | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """One decode step of attention over the keys a selection names.
 
     q: [B, Hq, 1, D]; keys/values: [B, Hkv, >= length, D]; returns [B, Hq, 1, D] in q's dtype.
     The selection has one row per KV head (GQA group shares it) or one per query head; `lengths` [B] gives
-    each row's valid length when rows differ.
+    each row's valid length when rows differ. `softcap`: logits s = q·k x scale become softcap * tanh(s / softcap).
     """
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
@@ -77,6 +80,8 @@ def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     k_sel = keys[b_idx, kv_head.view(1, -1, 1), idx].float()  # [B, Hs, n, D]
     v_sel = values[b_idx, kv_head.view(1, -1, 1), idx].float()
     logits = torch.einsum("bhgd,bhnd->bhgn", qs, k_sel) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row that reads no key comes out as zeros
     out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)

@@ -14,6 +14,8 @@ Reference: `kernels/reference.py::sparse_decode_reference` (same arguments, plai
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -32,12 +34,14 @@ def _partial_kernel(
     Q, K, V, IDX, LENS, M_out, L_out, ACC_out, S_out,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ib, stride_ih,
-    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk, n_cols,
+    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk, n_cols, span, softcap,
     MODE: tl.constexpr, PREC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOGITS: tl.constexpr = False,
+    LOGITS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """One chunk of slots for one selection head: its online-softmax partial state, or with LOGITS the scaled
-    q·k of every slot (S_out [B, Hq, n_cols], -inf where a slot names no key) and no values read."""
+    q·k of every slot (S_out [B, Hq, n_cols], -inf where a slot names no key) and no values read.
+    A layer with a sliding window (span > 0) sees keys [length - span, length) only: dense slots start there.
+    SOFTCAP: logits s become softcap * tanh(s / softcap) (Gemma-2)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // n_sel_heads
@@ -45,6 +49,7 @@ def _partial_kernel(
     kv = hs // (G // group_rows)  # the KV head of this selection head
     q_head0 = hs * group_rows  # first query row served by this program
     length = tl.load(LENS + b)
+    lo = tl.where(span > 0, tl.maximum(length - span, 0), 0)  # first key this row's query may see
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -58,7 +63,7 @@ def _partial_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
     if MODE == 0:
-        n_slots = length
+        n_slots = length - lo
     else:
         n_slots = sink + n_sparse + window
     start = c * chunk
@@ -69,7 +74,7 @@ def _partial_kernel(
         t = s0 + tl.arange(0, BLOCK_N)
         in_range = t < stop
         if MODE == 0:
-            pos = t
+            pos = lo + t
             ok = in_range
         else:
             is_sink = t < sink
@@ -77,11 +82,16 @@ def _partial_kernel(
             j = t - sink
             sp = tl.load(IDX + b * stride_ib + hs * stride_ih + j, mask=in_range & ~is_sink & ~is_win, other=-1)
             wp = length - window + (t - sink - n_sparse)
-            pos = tl.where(is_sink, t, tl.where(is_win, wp, sp))
-            ok = in_range & (pos >= 0) & (pos < length) & (is_sink | ~is_win | (wp >= sink))
+            pos = tl.where(is_sink, lo + t, tl.where(is_win, wp, sp))
+            ok = in_range & (pos >= lo) & (pos < length) & (is_sink | ~is_win | (wp >= lo + sink))
         pos = tl.where(ok, pos, 0)
         k = tl.load(k_base + pos[:, None] * stride_kn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:  # tanh from one exp, stable for any |s|
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            th = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x < 0, -th, th)
         s = tl.where(ok[None, :], s, float("-inf"))
         if LOGITS:
             s_row = (b * (n_sel_heads * group_rows) + q_head0 + g).to(tl.int64) * n_cols
@@ -133,15 +143,17 @@ def _plan(n_slots: int, programs_per_chunk: int, device: torch.device, block_n: 
 
 
 def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection, scale: float,
-                  lengths: torch.Tensor | None = None, check: bool = False, *, block_n: int | None = None,
-                  num_warps: int = 4, num_stages: int | None = None, waves: int = 4) -> torch.Tensor:
+                  lengths: torch.Tensor | None = None, softcap: float | None = None, check: bool = False, *,
+                  block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                  waves: int = 4) -> torch.Tensor:
     """q [B, Hq, 1, D] over the keys `sel` names -> [B, Hq, 1, D]. Same contract as sparse_decode_reference.
 
     `lengths` [B] (int) gives per-row valid lengths when batch rows differ; `check=True` rejects duplicate
     positions first (a host sync: for tests and debugging). block_n / num_warps / num_stages / waves (programs
     per SM) are tuning knobs; the defaults were measured on an H100 (results/ has the numbers).
     """
-    return _launch(q, keys, values, sel, scale, lengths, check, False, block_n, num_warps, num_stages, waves)
+    return _launch(q, keys, values, sel, scale, lengths, check, False, block_n, num_warps, num_stages, waves,
+                   softcap)
 
 
 def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None = None, *,
@@ -156,15 +168,16 @@ def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None 
     return _launch(q, keys, keys, sel, 1.0, None, False, True, block_n, num_warps, num_stages, waves)
 
 
-def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_warps, num_stages, waves):
+def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_warps, num_stages, waves,
+            softcap=None):
     """The partial pass over `sel`'s slots, then the merge (attention) or, with `logits`, the q·k per slot."""
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
     if sel.buckets is not None:  # CSR: expand the chosen buckets to token indices, then the index path
-        sel = Selection(sel.length, sel.sink, sel.window, indices=csr_to_indices(sel))
+        sel = replace(sel, buckets=None, bucket_offsets=None, bucket_tokens=None, indices=csr_to_indices(sel))
     elif sel.blocks is not None:  # blocks: expand to token positions (clipped to the middle region)
-        sel = Selection(sel.length, sel.sink, sel.window, indices=sel.sparse_positions())
+        sel = replace(sel, blocks=None, block_size=0, indices=sel.sparse_positions())
     Hs = sel.heads(Hkv)
     if Hs not in (Hkv, Hq):
         raise ValueError(f"selection has {Hs} heads; expected {Hkv} (KV heads) or {Hq} (query heads)")
@@ -175,7 +188,7 @@ def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_wa
             else lengths.to(device=q.device, dtype=torch.int32))
     if sel.dense:
         mode, idx, n_sparse, sink, window = MODE_DENSE, lens, 0, 0, 0
-        n_slots = keys.shape[2] if lengths is not None else sel.length
+        n_slots = keys.shape[2] if lengths is not None else sel.visible
     else:
         mode = MODE_INDICES
         idx = sel.indices if sel.indices is not None else lens.new_full((B, Hs, 1), -1)
@@ -204,9 +217,10 @@ def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_wa
         qc, keys, values, idx, lens, m, l, acc, s_out,
         qc.stride(0), qc.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), sib, sih,
-        scale, Hs, G, group_rows, sink, n_sparse, window, chunk, n_slots,
+        scale, Hs, G, group_rows, sink, n_sparse, window, chunk, n_slots, sel.span, float(softcap or 0.0),
         MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
-        BLOCK_N=BLOCK_N, LOGITS=logits, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=BLOCK_N, LOGITS=logits, SOFTCAP=bool(softcap) and not logits, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if logits:
         return s_out
@@ -217,12 +231,14 @@ def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_wa
 
 
 def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: int | torch.Tensor,
-                 scale: float, **tuning) -> torch.Tensor:
-    """Split-K flash-decoding over the whole valid cache: our dense baseline. lengths: int or [B]."""
+                 scale: float, span: int = 0, softcap: float | None = None, **tuning) -> torch.Tensor:
+    """Split-K flash-decoding over the whole valid cache (its last `span` keys with a sliding window): our dense
+    baseline. lengths: int or [B]."""
     if isinstance(lengths, int):
-        return sparse_decode(q, keys, values, Selection(lengths, dense=True), scale, **tuning)
-    return sparse_decode(q, keys, values, Selection(int(keys.shape[2]), dense=True), scale, lengths=lengths,
-                         **tuning)
+        return sparse_decode(q, keys, values, Selection(lengths, dense=True, span=span), scale, softcap=softcap,
+                             **tuning)
+    return sparse_decode(q, keys, values, Selection(int(keys.shape[2]), dense=True, span=span), scale,
+                         lengths=lengths, softcap=softcap, **tuning)
 
 
 def csr_to_indices(sel: Selection) -> torch.Tensor:

@@ -34,6 +34,7 @@ from .errors import SparseKVError
 from .progress import Ticker
 from .methods import get_method
 from .models import LoadedModel
+from .patterns import FULL, AttentionPattern, model_patterns
 from .rope import find_rotary, rope_tables, unrotate
 
 KIND = "activations"
@@ -116,6 +117,15 @@ class Activations:
     @property
     def dtype(self) -> torch.dtype:
         return getattr(torch, self.config["dtype"])
+
+    def patterns(self) -> list[AttentionPattern]:
+        """Each layer's attention pattern as the model had it (dumps made before patterns were recorded: full
+        attention at head_dim ** -0.5, which is what those models had: sparsekv ran no other)."""
+        recorded = self.config.get("attention")
+        if not recorded:
+            return [FULL] * self.num_layers
+        return [AttentionPattern(span=int(p.get("span") or 0), softcap=p.get("softcap"), scaling=p.get("scaling"),
+                                 rope=p.get("rope")) for p in recorded]
 
     def positions(self) -> dict[str, torch.Tensor]:
         """k_pos, k_seq, q_pos, q_seq: the same for every layer."""
@@ -233,6 +243,7 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
     seqs = split_sequences(len(ids), seq_len)
     if not seqs:
         raise SparseKVError(f"need at least {min(seq_len, MIN_LAST_SEQ)} tokens to dump, got {len(ids)}")
+    patterns = model_patterns(lm.model)  # refuses a model sparsekv cannot run, before any work
     rotary = find_rotary(lm.model)
     if rotary is None:
         raise SparseKVError(f"model {lm.name!r} has no rotary_emb module: cannot recover pre-RoPE q/k")
@@ -254,7 +265,7 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
     report = Ticker(progress, T, "dump")
     t0, k_off, q_off = time.perf_counter(), 0, 0
     for s, (start, n) in enumerate(seqs):
-        seen = _run_sequence(lm, rotary, ids[start : start + n], q_local[s], buf, k_off, q_off, dtype)
+        seen = _run_sequence(lm, rotary, patterns, ids[start : start + n], q_local[s], buf, k_off, q_off, dtype)
         if sorted(seen) != list(range(L)):
             raise SparseKVError(
                 f"recorded layers {sorted(set(seen))} of {L}: the model does not run the sparsekv attention "
@@ -267,7 +278,9 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
     config = {"dtype": name, "seq_len": seq_len, "queries_per_seq": queries_per_seq, "seed": seed,
               "min_last_seq": MIN_LAST_SEQ, "num_layers": L, "kv_heads": Hkv, "q_heads": Hq, "head_dim": D,
               "query_sampling": "uniform without replacement per sequence, torch.randperm seeded once",
-              "pre_rope": "post-RoPE q/k rotated back with the model's rotary tables in fp32"}
+              "pre_rope": "post-RoPE q/k rotated back with the model's rotary tables in fp32",
+              # what each layer may attend: offline stages and recall honour the same windows and scores
+              "attention": [p.describe() for p in patterns]}
     data = {"source": source, "tokens": T, "tokens_given": len(ids), "seq_len": seq_len, "sequences": len(seqs),
             "seq_lengths": [n for _, n in seqs], "queries": S, "queries_per_seq": queries_per_seq, "seed": seed,
             "tokens_sha256": hashlib.sha256(ids[:T].numpy().astype("<i8").tobytes()).hexdigest()}
@@ -277,8 +290,8 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
                                                        "model_dtype": str(next(lm.model.parameters()).dtype)})
 
 
-def _run_sequence(lm: LoadedModel, rotary, ids: torch.Tensor, q_idx: torch.Tensor, buf: list[dict],
-                  k_off: int, q_off: int, dtype: torch.dtype) -> list[int]:
+def _run_sequence(lm: LoadedModel, rotary, patterns: list[AttentionPattern], ids: torch.Tensor, q_idx: torch.Tensor,
+                  buf: list[dict], k_off: int, q_off: int, dtype: torch.dtype) -> list[int]:
     """One dense forward of one sequence; the recorder copies each layer's q/k into the buffers."""
     n, dev, seen = len(ids), lm.device, []
     q_dev = q_idx.to(dev)
@@ -287,8 +300,8 @@ def _run_sequence(lm: LoadedModel, rotary, ids: torch.Tensor, q_idx: torch.Tenso
         start = keys.shape[2] - query.shape[2]  # 0 here: the whole sequence is one forward
         k = keys[:1, :, start:].float()
         q = query[:1].float().index_select(2, q_dev - start)
-        cos, sin = rope_tables(cache.rotary, q, q_dev.unsqueeze(0))
-        parts = {"k_post": k, "k_pre": cache.pre_rope(k, start), "q_post": q, "q_pre": unrotate(q, cos, sin)}
+        cos, sin = rope_tables(cache.rotary, q, q_dev.unsqueeze(0), cache.pattern(layer).rope)
+        parts = {"k_post": k, "k_pre": cache.pre_rope(k, start, layer), "q_post": q, "q_pre": unrotate(q, cos, sin)}
         for key, t in parts.items():
             t = t[0].to(dtype)
             if not torch.isfinite(t).all():
@@ -298,7 +311,7 @@ def _run_sequence(lm: LoadedModel, rotary, ids: torch.Tensor, q_idx: torch.Tenso
             buf[layer][key][:, rows] = t.cpu()
         seen.append(layer)
 
-    cache = SparseCache(get_method("dense"), lm.num_layers, lm.q_heads, n, rotary=rotary)
+    cache = SparseCache(get_method("dense"), lm.num_layers, lm.q_heads, n, rotary=rotary, patterns=patterns)
     cache.recorder = record
     x = ids.view(1, -1).to(dev)
     pos = torch.arange(n, device=dev).unsqueeze(0)

@@ -1,8 +1,11 @@
 """The attention function transformers calls for `attn_implementation="sparsekv"`.
 
-Prefill (more than one query) is dense. A decode step (one query) on a layer that is not kept dense goes to
-the method's `select`, then to the shared sparse-decode call. The cache tells us the valid length and the method
-state (transformers passes the function no cache); without a SparseCache the function is plain dense attention.
+Prefill (more than one query) is dense, under the model's own mask. A decode step (one query) on a layer that is
+not kept dense goes to the method's `select`, then to the shared sparse-decode call; dense layers and the dense
+method read every key the layer may see through the same call. The cache tells us the valid length, the method
+state and each layer's attention pattern (sliding window, softcapping, scale: patterns.py), and every call is
+checked against that pattern (transformers passes the function no cache); without a SparseCache the function is
+plain dense attention.
 
 A mask function is registered under the same name: a custom name otherwise gets *no* mask from transformers, and
 padding in a batch would be silently ignored.
@@ -14,7 +17,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import active_cache
+from .cache import SparseCache, active_cache
+from .patterns import check_call
+from .selection import Selection
 from .sparse_attention import dense_attention, sparse_decode
 
 NAME = "sparsekv"
@@ -24,24 +29,38 @@ def sparsekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                        **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, Hq, n, D] (post-RoPE), key/value [B, Hkv, L, D] -> ([B, n, Hq, D], None)."""
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache = active_cache()
     layer = getattr(module, "layer_idx", None)
-    if cache is not None and cache.recorder is not None:
-        cache.recorder(layer, query, key, value, cache)
-    sparse = (cache is not None and layer is not None and query.shape[2] == 1 and cache.indexes(layer)
-              and cache.method.name != "dense")
-    if not sparse:
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask.to(query.dtype)
-        out = dense_attention(query, key, value, scale, mask=attention_mask)
-        return out.transpose(1, 2).contiguous(), None
-    state = cache.layer_state(layer)
-    q_pre = cache.pre_rope(query, state.length - 1) if cache.method.needs_pre_rope else None
-    sel = cache.method.select(state, query, q_pre)
-    cache.stats.add_selection(sel)
-    out = sparse_decode(query, state.keys, state.values, sel, scale)
+    if cache is not None and layer is not None:
+        # what the model passes must be what the cache's pattern for this layer says (patterns.py)
+        check_call(layer, cache.pattern(layer), scaling, dropout, kwargs)
+        if cache.recorder is not None:
+            cache.recorder(layer, query, key, value, cache)
+        if query.shape[2] == 1:
+            return decode_attention(cache, layer, query), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.to(query.dtype)
+    out = dense_attention(query, key, value, scale, mask=attention_mask, softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def decode_attention(cache: SparseCache, layer: int, query: torch.Tensor) -> torch.Tensor:
+    """One decode step of `layer` after its cache update: the method's selection (or every key the layer may see,
+    on dense layers and for the dense method), then the shared sparse-decode call. query [B, Hq, 1, D] ->
+    [B, 1, Hq, D]. The layer's pattern decides the keys it may see, its scale and its softcapping; no mask is
+    read, so the eager and the split decode step run exactly this."""
+    state = cache.layer_state(layer)
+    pattern = state.pattern
+    scale = pattern.scaling if pattern.scaling is not None else query.shape[-1] ** -0.5
+    if cache.runs_method(layer):
+        q_pre = cache.pre_rope(query, state.length - 1, layer) if cache.method.needs_pre_rope else None
+        sel = cache.method.select(state, query, q_pre)
+        cache.stats.add_selection(sel)
+    else:
+        sel = Selection(state.length, dense=True, span=pattern.span)
+    out = sparse_decode(query, state.keys, state.values, sel, scale, softcap=pattern.softcap)
+    return out.transpose(1, 2).contiguous()
 
 
 def register() -> str:

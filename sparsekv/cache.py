@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import SparseKVError
 from .methods.base import CacheShape, LayerState, Method
+from .patterns import FULL, AttentionPattern
 from .rope import rope_tables, unrotate
 
 _ACTIVE: contextvars.ContextVar["SparseCache | None"] = contextvars.ContextVar("sparsekv_cache", default=None)
@@ -33,10 +34,11 @@ class DecodeStats:
     once, in `summary`, so the decode loop never waits for the GPU to count."""
 
     steps: int = 0  # (layer, step) pairs that went through a method's select
-    available: float = 0.0  # keys in the cache, summed over those pairs
+    available: float = 0.0  # keys the layer could see (its sliding window, else the cache), summed over those pairs
     selected: float | torch.Tensor = 0.0  # sparse-part keys (mean over heads), summed likewise
     sink: float = 0.0
     window: float = 0.0
+    decode_path: str = ""  # how the decode steps ran (sparsekv.step.decode_path): "graph", "eager (why)", ...
 
     def add(self, length: int, selected: int | float | torch.Tensor, sink: int, window: int) -> None:
         self.steps += 1
@@ -46,11 +48,11 @@ class DecodeStats:
         self.window += window
 
     def add_selection(self, sel) -> None:
-        """One step's `Selection` (a dense one counts every key as selected, none as sink or window)."""
+        """One step's `Selection` (a dense one counts every visible key as selected, none as sink or window)."""
         if sel.dense:
-            self.add(sel.length, sel.length, 0, 0)
+            self.add(sel.visible, sel.visible, 0, 0)
         else:
-            self.add(sel.length, sel.selected_count(), sel.sink, sel.window)
+            self.add(sel.visible, sel.selected_count(), sel.sink, sel.window)
 
     def summary(self) -> dict:
         n = max(self.steps, 1)
@@ -64,6 +66,7 @@ class DecodeStats:
             "mean_sink": self.sink / n,
             "mean_window": self.window / n,
             "mean_context": self.available / n,
+            "decode_path": self.decode_path,
         }
 
 
@@ -90,6 +93,7 @@ class SparseLayer(CacheLayerMixin):
         shape = CacheShape(B, H, c.q_heads, D, c.max_len, key_states.dtype, key_states.device)
         self.state = c.method.new_state(self.layer_idx, shape)
         self.state.keys, self.state.values, self.state.length = self.keys, self.values, 0
+        self.state.pattern = c.pattern(self.layer_idx)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -103,8 +107,9 @@ class SparseLayer(CacheLayerMixin):
         self.values[:, :, start : start + n] = value_states
         self.length = self.state.length = start + n
         if self.cache.indexes(self.layer_idx):
-            k_pre = self.cache.pre_rope(key_states, start) if self.cache.method.needs_pre_rope else None
-            self.cache.method.append(self.state, key_states, value_states, k_pre, start)
+            c = self.cache
+            k_pre = c.pre_rope(key_states, start, self.layer_idx) if c.method.needs_pre_rope else None
+            c.method.append(self.state, key_states, value_states, k_pre, start)
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -126,11 +131,13 @@ class SparseCache(Cache):
     """A cache whose layers hold preallocated K/V and the method state; pass it as `past_key_values`.
 
     `dense_layers` are attended densely at every step (and not indexed); `rotary` (the model's rotary module) is
-    needed only by methods that index pre-RoPE keys or queries.
+    needed only by methods that index pre-RoPE keys or queries; `patterns` (one per layer,
+    `patterns.model_patterns(model)`) say what each layer may attend: every key when not given.
     """
 
     def __init__(self, method: Method, num_layers: int, q_heads: int, max_len: int,
-                 dense_layers: tuple[int, ...] | list[int] = (), rotary: torch.nn.Module | None = None):
+                 dense_layers: tuple[int, ...] | list[int] = (), rotary: torch.nn.Module | None = None,
+                 patterns: list[AttentionPattern] | None = None):
         if max_len <= 0:
             raise SparseKVError(f"max_len must be positive, got {max_len}")
         bad = [i for i in dense_layers if not 0 <= i < num_layers]
@@ -138,6 +145,9 @@ class SparseCache(Cache):
             raise SparseKVError(f"dense layer(s) {bad} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
         if method.needs_pre_rope and rotary is None:
             raise SparseKVError(f"method {method.name!r} needs the model's rotary module to recover pre-RoPE keys")
+        if patterns is not None and len(patterns) != num_layers:
+            raise SparseKVError(f"{len(patterns)} attention patterns for {num_layers} layers")
+        self.patterns = list(patterns) if patterns is not None else [FULL] * num_layers
         self.method, self.q_heads, self.max_len = method, q_heads, max_len
         self.dense_layers = frozenset(dense_layers)
         self.rotary = rotary
@@ -151,15 +161,23 @@ class SparseCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def indexes(self, layer_idx: int) -> bool:
-        """Whether this layer runs the method (dense layers and the dense method keep no index)."""
+        """Whether this layer keeps the method's index (dense layers do not)."""
         return layer_idx not in self.dense_layers
+
+    def runs_method(self, layer_idx: int) -> bool:
+        """Whether a decode step of this layer goes through the method's select (not for dense layers, nor for the
+        dense method, whose steps are not counted in the statistics)."""
+        return self.indexes(layer_idx) and self.method.name != "dense"
+
+    def pattern(self, layer_idx: int) -> AttentionPattern:
+        return self.patterns[layer_idx]
 
     def layer_state(self, layer_idx: int) -> LayerState:
         return self.layers[layer_idx].state
 
-    def pre_rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate post-RoPE x [B, H, n, D] at positions [start, start + n) back to pre-RoPE."""
+    def pre_rope(self, x: torch.Tensor, start: int, layer_idx: int) -> torch.Tensor:
+        """Rotate layer `layer_idx`'s post-RoPE x [B, H, n, D] at positions [start, start + n) back to pre-RoPE."""
         B, n = x.shape[0], x.shape[2]
         pos = torch.arange(start, start + n, device=x.device).unsqueeze(0).expand(B, n)
-        cos, sin = rope_tables(self.rotary, x, pos)
+        cos, sin = rope_tables(self.rotary, x, pos, self.pattern(layer_idx).rope)
         return unrotate(x, cos, sin)

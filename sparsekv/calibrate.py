@@ -213,6 +213,7 @@ def _split_queries(acts: Activations, budget: int, holdout: float, seed: int,
 def _layer_problems(acts: Activations, layer: int, fit_idx: torch.Tensor, held_idx: torch.Tensor, budget: int,
                     hadamard: bool) -> tuple[list[_Problem], list[_Problem]]:
     data = acts.layer(layer)
+    span = acts.patterns()[layer].span
     Hkv, Hq = acts.kv_heads, acts.q_heads
     H = hadamard_for(acts.head_dim, "cpu") if hadamard else None
     offsets = acts.seq_offsets
@@ -229,7 +230,9 @@ def _layer_problems(acts: Activations, layer: int, fit_idx: torch.Tensor, held_i
                 nk = int(qpos.max()) + 1
                 k = keys[offsets[s] : offsets[s] + nk]
                 q = torch.cat([data["q_post"][g, rows].float() for g in group])
-                hidden = torch.arange(nk).unsqueeze(0) > qpos.unsqueeze(1)
+                # keys the query cannot see: later ones, and with a sliding window those before it
+                k_idx = torch.arange(nk).unsqueeze(0)
+                hidden = (k_idx > qpos.unsqueeze(1)) | (k_idx < qpos.unsqueeze(1) + 1 - span if span else False)
                 truth = (q @ k.T).masked_fill(hidden, -math.inf).topk(budget, dim=1).indices
                 blocks.append(_Block(q @ H if H is not None else q, tkeys[offsets[s] : offsets[s] + nk], hidden,
                                      truth))

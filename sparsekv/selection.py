@@ -1,13 +1,15 @@
 """What one decode step reads: the `Selection` every method returns, the budget split, and the shared top-k.
 
 A selection has a sparse part (token indices, fixed-size blocks, or CSR bucket lists) and a dense part (the first
-`sink` tokens and the last `window` tokens). The sparse part never overlaps the dense part: methods choose only
-among positions [sink, length - window), so the kernel can simply add the two without de-duplication.
+`sink` tokens the layer may see and the last `window` tokens). The sparse part never overlaps the dense part:
+methods choose only among positions [start + sink, length - window), so the kernel can simply add the two without
+de-duplication. `start` is 0 unless the layer attends a sliding window (`span`: the last `span` keys): then every
+part, the dense one included, lies in the window (sparsekv/patterns.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,9 +25,9 @@ class Selection:
     """
 
     length: int  # valid keys in the cache
-    sink: int = 0  # dense part: positions [0, sink) ...
+    sink: int = 0  # dense part: positions [start, start + sink) ...
     window: int = 0  # ... and [length - window, length)
-    dense: bool = False  # attend every key (budget >= context)
+    dense: bool = False  # attend every key the layer may see, [start, length) (budget >= visible context)
     indices: torch.Tensor | None = None  # [B, H, k] token positions
     blocks: torch.Tensor | None = None  # [B, H, nb] block ids, block b covers [b*block_size, (b+1)*block_size)
     block_size: int = 0
@@ -33,6 +35,17 @@ class Selection:
     bucket_offsets: torch.Tensor | None = None  # [B, H, n_buckets + 1] CSR offsets into bucket_tokens
     bucket_tokens: torch.Tensor | None = None  # [B, H, T] token positions grouped by bucket
     padded: bool = True  # False when `indices` holds no -1 (a top-k result): its count is known on the host
+    span: int = 0  # the layer's sliding window (keys the newest one may see), 0 = all: start = length - span
+
+    @property
+    def start(self) -> int:
+        """First position the layer may attend at this step."""
+        return max(0, self.length - self.span) if self.span else 0
+
+    @property
+    def visible(self) -> int:
+        """Keys the layer may attend at this step."""
+        return self.length - self.start
 
     @property
     def n_selected(self) -> int:
@@ -43,7 +56,7 @@ class Selection:
         """n_selected without a host sync where the count lives on the device (a 0-dim tensor then): the decode
         loop adds it to its statistics every layer and step, and a sync there would stall the launch queue."""
         if self.dense:
-            return self.length - self.sink - self.window
+            return self.visible - self.sink - self.window
         if not self.has_sparse:
             return 0
         if self.indices is not None and not self.padded:
@@ -63,7 +76,7 @@ class Selection:
 
     def attended(self) -> int:
         """Keys attended per selection head (sink + window + selected)."""
-        return self.length if self.dense else self.sink + self.window + self.n_selected
+        return self.visible if self.dense else self.sink + self.window + self.n_selected
 
     def sparse_positions(self) -> torch.Tensor:
         """The sparse part as padded token positions [B, H, n] (-1 = none), whatever its form."""
@@ -73,7 +86,8 @@ class Selection:
             offs = torch.arange(self.block_size, device=self.blocks.device)
             pos = self.blocks.unsqueeze(-1) * self.block_size + offs
             hi = self.length - self.window  # blocks are clipped to the sparse region
-            pos = torch.where((self.blocks.unsqueeze(-1) >= 0) & (pos >= self.sink) & (pos < hi), pos, -1)
+            lo = self.start + self.sink
+            pos = torch.where((self.blocks.unsqueeze(-1) >= 0) & (pos >= lo) & (pos < hi), pos, -1)
             return pos.flatten(-2)
         if self.buckets is not None:
             return _csr_positions(self)
@@ -111,22 +125,50 @@ def resolve_budget(budget: float, length: int) -> int:
 
 @dataclass(frozen=True)
 class BudgetSplit:
-    """How one step's budget is spent: `sink` + `window` dense tokens, `k` chosen from the rest."""
+    """How one step's budget is spent: `sink` + `window` dense tokens, `k` chosen from the rest, all among the keys
+    [start, length) the layer may see (`span`: its sliding window, 0 = every key)."""
 
     sink: int
     window: int
     k: int
     dense: bool
+    length: int = 0
+    span: int = 0
+
+    @property
+    def start(self) -> int:
+        return max(0, self.length - self.span) if self.span else 0
+
+    @property
+    def lo(self) -> int:
+        """First position of the region the sparse part is chosen from ..."""
+        return self.start + self.sink
+
+    @property
+    def hi(self) -> int:
+        """... and one past its last."""
+        return self.length - self.window
+
+    def selection(self, **sparse) -> Selection:
+        """The step's Selection: every visible key when dense, else the dense part plus `sparse` (indices=, ...)."""
+        if self.dense:
+            return Selection(self.length, dense=True, span=self.span)
+        return Selection(self.length, self.sink, self.window, span=self.span, **sparse)
+
+    def widened(self, k: int) -> "BudgetSplit":
+        return replace(self, k=k)
 
 
-def split_budget(budget: float, sink: int, window: int, length: int) -> BudgetSplit:
-    """Carve sink and window out of the budget (as Quest/Adamas count it), clipped to the current context."""
-    b = resolve_budget(budget, length)
-    if b >= length:
-        return BudgetSplit(0, 0, 0, dense=True)
+def split_budget(budget: float, sink: int, window: int, length: int, span: int = 0) -> BudgetSplit:
+    """Carve sink and window out of the budget (as Quest/Adamas count it), within the keys the layer may see at this
+    step: all `length`, or its last `span` (a fractional budget is a fraction of those)."""
+    visible = min(length, span) if span else length
+    b = resolve_budget(budget, visible)
+    if b >= visible:
+        return BudgetSplit(0, 0, 0, dense=True, length=length, span=span)
     if sink + window > b:
         raise SparseKVError(f"sink ({sink}) + window ({window}) exceed the budget ({b} tokens)")
-    return BudgetSplit(sink, window, b - sink - window, dense=False)
+    return BudgetSplit(sink, window, b - sink - window, dense=False, length=length, span=span)
 
 
 def pool_scores(scores: torch.Tensor, n_kv_heads: int, pooling: str, reduce: str = "sum") -> torch.Tensor:
@@ -140,32 +182,37 @@ def pool_scores(scores: torch.Tensor, n_kv_heads: int, pooling: str, reduce: str
     return grouped.amax(2) if reduce == "max" else grouped.sum(2)
 
 
-def topk_selection(scores: torch.Tensor, split: BudgetSplit, length: int) -> Selection:
-    """Top-k of `scores` [B, H, length - sink - window] (higher is better) over the middle region."""
+def topk_selection(scores: torch.Tensor, split: BudgetSplit) -> Selection:
+    """Top-k of `scores` [B, H, split.hi - split.lo] (higher is better) over the region the sparse part comes from."""
     k = min(split.k, scores.shape[-1])
     if k <= 0:
-        return Selection(length, split.sink, split.window)
-    return Selection(length, split.sink, split.window, indices=topk(scores, k) + split.sink, padded=False)
+        return split.selection()
+    return split.selection(indices=topk(scores, k) + split.lo, padded=False)
 
 
-def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: torch.Tensor | None = None) -> torch.Tensor:
-    """The oracle's ranking: softmax of q·k / sqrt(D) per query head, pooled as `pool_scores` does. q [B, Hq, 1, D];
-    keys [B, Hkv, L, D]; the keys scored are all L, or per selection head those at `indices` [B, H, m] (H = Hkv:
-    a group's query heads score the same keys; H = Hq: each query head its own). Returns [B, H, m]: per query
-    head with pooling "head", per KV head ("group" sums the group's softmax). On the GPU q·k comes from the
-    sparse-decode kernel (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, fp32 sums),
-    elsewhere from its torch reference."""
+def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: torch.Tensor | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The oracle's ranking: the softmax of the layer's attention logits (q·k x scale, default 1/sqrt(D), softcapped
+    when the layer is) per query head, pooled as `pool_scores` does. q [B, Hq, 1, D]; keys [B, Hkv, L, D]; the keys
+    scored are all L, or per selection head those at `indices` [B, H, m] (H = Hkv: a group's query heads score the
+    same keys; H = Hq: each query head its own). Returns [B, H, m]: per query head with pooling "head", per KV head
+    ("group" sums the group's softmax). On the GPU q·k comes from the sparse-decode kernel
+    (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, fp32 sums), elsewhere from its torch
+    reference."""
     from .sparse_attention import use_kernels
 
     if use_kernels(q.device):
         from sparsekv.kernels.sparse_decode import qk_logits
     else:
         from sparsekv.kernels.reference import qk_logits_reference as qk_logits
-    logits = qk_logits(q, keys, indices)
-    return pool_scores(torch.softmax(logits * q.shape[-1] ** -0.5, dim=-1), keys.shape[1], pooling)
+    logits = qk_logits(q, keys, indices) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return pool_scores(torch.softmax(logits, dim=-1), keys.shape[1], pooling)
 
 
-def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int) -> Selection:
+def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, scale: float | None = None,
+                 softcap: float | None = None) -> Selection:
     """Keep the k of `sel`'s token indices [B, H, m] that the oracle's scores (`exact_scores`) rank highest among
     them, reading their keys from the cache [B, Hkv, L, D]: per query head (H = Hq), or per KV head by the group's
     summed softmax over the m candidates (H = Hkv). A method's cheap score picks m = rerank x k candidates, this
@@ -174,14 +221,14 @@ def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int) ->
     idx = sel.indices
     if idx is None or idx.shape[-1] <= k:
         return sel
-    scores = exact_scores(q, keys, "head" if idx.shape[1] == q.shape[1] else "group", idx)
-    return Selection(sel.length, sel.sink, sel.window, indices=torch.gather(idx, 2, topk(scores, k)), padded=False)
+    scores = exact_scores(q, keys, "head" if idx.shape[1] == q.shape[1] else "group", idx, scale, softcap)
+    return replace(sel, indices=torch.gather(idx, 2, topk(scores, k)), padded=False)
 
 
 def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: str,
-                   split: BudgetSplit, length: int) -> Selection | None:
+                   split: BudgetSplit) -> Selection | None:
     """The kernels' path for methods that rank keys by code distance (Adamas, LSH): the k = split.k keys of
-    [sink, length - window) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
+    [split.lo, split.hi) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
     summed over each GQA group with pooling "group", by `kernels/adamas.py::code_topk` (int16 distances, then the
     counting select). None when those distances are too wide for it: rank `code_scores` with `topk` then."""
     from sparsekv.kernels.adamas import code_topk, code_topk_supported
@@ -190,12 +237,12 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
     group = q_words.shape[1] // codes.shape[1] if pool else 1
     if not code_topk_supported(d, bits, metric, group):
         return None
-    lo, hi = split.sink, length - split.window
+    lo, hi = split.lo, split.hi
     k = min(split.k, hi - lo)
     if k <= 0:
-        return Selection(length, split.sink, split.window)
+        return split.selection()
     idx = code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits=bits, metric=metric, pool=pool, offset=lo)
-    return Selection(length, split.sink, split.window, indices=idx, padded=False)
+    return split.selection(indices=idx, padded=False)
 
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:

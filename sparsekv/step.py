@@ -9,9 +9,11 @@ embedding, norms, projections, RoPE, MLP, the head - hold no per-step Python sta
 model and replayed for every prompt and method; cache update, the method's select and the sparse-decode call stay
 eager, exactly the code the transformers path runs (`sparsekv_attention`).
 
-The split forward is written for the Llama family (llama, mistral, qwen2, qwen3; not with sliding windows or a
+The split forward is written for the Llama family (llama, mistral, qwen2, qwen3, sliding windows included; not a
 RoPE whose tables change with the length): the transformers layer code it mirrors is short and shared by those
-models. Anything else takes the eager call.
+models, and attention goes through `attention.decode_attention`, which reads each layer's window from the cache.
+Anything else takes the eager call; on a GPU that is said once on stderr, and every result records its
+`decode_path`.
 SPARSEKV_GRAPHS=0 turns graphs off (the eager call everywhere); =1 asks for them and fails if they cannot run.
 """
 
@@ -23,24 +25,23 @@ from typing import Callable
 
 import torch
 
-from .attention import sparsekv_attention
+from .attention import decode_attention
 from .cache import SparseCache
 from .errors import SparseKVError
 from .models import LoadedModel
+from .patterns import FAMILIES
 
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]  # (token ids [1, 1], position) -> logits [1, vocab]
 
-_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SPLIT_FAMILIES = tuple(k for k, f in FAMILIES.items() if f.split)
 
 
 def split_supported(lm: LoadedModel) -> str | None:
     """None when the split forward can run `lm`, else why not."""
     cfg = lm.config
     kind = getattr(cfg, "model_type", "")
-    if kind not in _FAMILY:
-        return f"model type {kind!r} is not in the Llama family ({', '.join(_FAMILY)})"
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return "sliding-window attention"
+    if kind not in SPLIT_FAMILIES:
+        return f"the split decode step covers the Llama family ({', '.join(SPLIT_FAMILIES)}), not {kind!r}"
     base = getattr(lm.model, "model", None)
     need = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, a) for a in need) or not hasattr(lm.model, "lm_head"):
@@ -98,9 +99,8 @@ class SplitForward:
 
     def attend(self, i: int, cache: SparseCache, q, k, v) -> torch.Tensor:
         """Layer i's cache update and attention (the method's select included) -> [1, 1, Hq * D]."""
-        attn = self.layers[i].self_attn
-        keys, values = cache.update(k, v, i)
-        out, _ = sparsekv_attention(attn, q, keys, values, None, scaling=attn.scaling)
+        cache.update(k, v, i)
+        out = decode_attention(cache, i, q)
         return out.reshape(*out.shape[:2], -1)
 
     @torch.no_grad()
@@ -183,23 +183,39 @@ def _eager_step(lm: LoadedModel, cache: SparseCache) -> StepFn:
     return step
 
 
-def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> StepFn:
-    """The decode-step function for `lm` and `cache`. mode: "eager" (the transformers call), "split" (the split
-    forward, no graphs: for tests on the CPU), "graph", or None: graphs on CUDA when the model allows and
-    SPARSEKV_GRAPHS is not 0, else eager."""
+def decode_path(lm: LoadedModel, mode: str | None = None) -> tuple[str, str | None]:
+    """(mode, why the faster path is not taken or None) for `make_step`. mode: "eager" (the transformers call),
+    "split" (the split forward, no graphs: for tests on the CPU), "graph", or None: graphs on CUDA when the model
+    allows and SPARSEKV_GRAPHS is not 0, else eager."""
     flag = os.environ.get("SPARSEKV_GRAPHS", "")
     if mode not in (None, "eager", "split", "graph"):
         raise SparseKVError(f"unknown decode-step mode {mode!r}: use eager, split or graph")
     why = split_supported(lm)
-    if mode is None:
-        if flag == "1":
-            mode = "graph"
-        else:
-            mode = "graph" if flag != "0" and lm.device.type == "cuda" and why is None else "eager"
+    if mode is not None:
+        if mode != "eager" and why is not None:
+            raise SparseKVError(f"the split decode step cannot run this model: {why}")
+        return mode, None
+    if flag == "1":
+        if why is not None:
+            raise SparseKVError(f"the split decode step cannot run this model: {why}")
+        return "graph", None
+    if flag == "0":
+        return "eager", "SPARSEKV_GRAPHS=0"
+    if lm.device.type != "cuda":
+        return "eager", "CUDA graphs need a GPU"
+    return ("eager", why) if why is not None else ("graph", None)
+
+
+def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> StepFn:
+    """The decode-step function for `lm` and `cache` (modes: `decode_path`). Records the path taken in the cache's
+    statistics; a GPU run that cannot take the graphed path says so once per model on stderr."""
+    mode, why = decode_path(lm, mode)
+    cache.stats.decode_path = mode if why is None else f"{mode} ({why})"
     if mode == "eager":
+        if why is not None and lm.device.type == "cuda" and not lm.told_eager:
+            print(f"sparsekv: decoding eagerly, without CUDA graphs (slower): {why}", file=sys.stderr)
+            lm.told_eager = True
         return _eager_step(lm, cache)
-    if why is not None:
-        raise SparseKVError(f"the split decode step cannot run this model: {why}")
     if mode == "split":
         split = SplitForward(lm)
         return lambda token, pos: split.step(cache, token, pos)

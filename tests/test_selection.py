@@ -101,7 +101,7 @@ def test_selected_counts_need_no_host_sync():
     from sparsekv.cache import DecodeStats
     from sparsekv.selection import topk_selection
 
-    sel = topk_selection(torch.randn(1, 2, 40), split_budget(16, 2, 4, 46), 46)
+    sel = topk_selection(torch.randn(1, 2, 40), split_budget(16, 2, 4, 46))
     assert sel.selected_count() == 10 and not sel.padded and sel.n_selected == 10
     padded = Selection(46, sink=2, window=4, indices=torch.tensor([[[5, 6, -1], [7, -1, -1]]]))
     assert isinstance(padded.selected_count(), torch.Tensor) and padded.n_selected == 2  # (2 + 1) / 2 rounds to 2

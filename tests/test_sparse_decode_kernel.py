@@ -116,6 +116,67 @@ def test_batch_rows_with_different_lengths():
         _close(out[b : b + 1], sparse_decode(q[b : b + 1], k[b : b + 1], v[b : b + 1], one, 0.1), torch.float32)
 
 
+def _spec(q, k, v, allowed, scale, softcap=None):
+    """Attention of each query row over the keys `allowed` [B, Hq, L] marks, softcapped: written independently of
+    the reference (its GQA by repeat, its mask by -inf)."""
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(G, 1).double(), v.repeat_interleave(G, 1).double()
+    s = torch.einsum("bhd,bhld->bhl", q[:, :, 0].double(), kk[:, :, : allowed.shape[-1]]) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+    return torch.einsum("bhl,bhld->bhd", p, vv[:, :, : allowed.shape[-1]]).unsqueeze(2)
+
+
+@pytest.mark.parametrize("softcap", [None, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sliding_window_and_softcap(softcap, dtype):
+    """A layer that sees its last `span` keys: the sink is the window's first keys, dense reads the window only,
+    indices outside it are never chosen by methods (not tested here); softcapped logits on every path."""
+    B, Hkv, G, L, D, span = 2, 2, 4, 150, 64, 57
+    q, k, v = _data(B, Hkv, G, L, D, dtype, seed=11)
+    lo = L - span
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randperm(span - 3 - 8, generator=g)[:20] + lo + 3 for _ in range(B * Hkv)]
+    idx = torch.stack(rows).view(B, Hkv, 20).to(DEV)
+    sparse = Selection(L, sink=3, window=8, indices=idx, span=span)
+    assert sparse.start == lo
+    allowed = torch.zeros(B, Hkv, L, dtype=torch.bool, device=DEV)
+    allowed[..., lo : lo + 3] = True
+    allowed[..., L - 8 :] = True
+    allowed.scatter_(2, idx, True)
+    allowed = allowed.repeat_interleave(G, 1)
+    scale = D**-0.5
+    ref = sparse_decode_reference(q, k, v, sparse, scale, softcap=softcap)
+    _close(ref, _spec(q, k, v, allowed, scale, softcap).to(dtype), dtype)
+    _close(sparse_decode(q, k, v, sparse, scale, softcap=softcap), ref, dtype)
+    window_only = torch.zeros_like(allowed)
+    window_only[..., lo:] = True
+    dense = Selection(L, dense=True, span=span)
+    ref = sparse_decode_reference(q, k, v, dense, scale, softcap=softcap)
+    _close(ref, _spec(q, k, v, window_only, scale, softcap).to(dtype), dtype)
+    _close(dense_decode(q, k, v, L, scale, span=span, softcap=softcap), ref, dtype)
+    _close(sparse_decode(q, k, v, dense, scale, softcap=softcap), ref, dtype)
+    short = Selection(30, dense=True, span=span)  # fewer keys than the window: all of them
+    _close(sparse_decode(q, k, v, short, scale, softcap=softcap),
+           _spec(q, k, v, torch.ones(B, Hkv * G, 30, dtype=torch.bool, device=DEV), scale, softcap).to(dtype), dtype)
+
+
+def test_sliding_window_with_ragged_rows():
+    """Per-row lengths: each row's window ends at its own length."""
+    B, Hkv, G, L, D, span = 3, 2, 2, 120, 64, 40
+    q, k, v = _data(B, Hkv, G, L, D, torch.float32, seed=2)
+    lens = torch.tensor([120, 33, 75], device=DEV)
+    out = dense_decode(q, k, v, lens, 0.2, span=span)
+    for b in range(B):
+        n = int(lens[b])
+        one = dense_decode(q[b : b + 1], k[b : b + 1], v[b : b + 1], n, 0.2, span=span)
+        _close(out[b : b + 1], one, torch.float32)
+        allowed = torch.zeros(1, Hkv * G, n, dtype=torch.bool, device=DEV)
+        allowed[..., max(0, n - span) :] = True
+        _close(one, _spec(q[b : b + 1], k[b : b + 1], v[b : b + 1], allowed, 0.2).float(), torch.float32)
+
+
 @pytest.mark.parametrize("G", [1, 4])
 def test_dense_decode_matches_reference(G):
     q, k, v = _data(2, 2, G, 333, 64, torch.float32, seed=G)

@@ -25,7 +25,7 @@ from ..errors import SparseKVError
 from ..methods import get_method
 from ..models import LoadedModel
 from ..selection import resolve_budget
-from .runner import RunSpec, check_seq, check_specs
+from .runner import RunSpec, check_seq, check_specs, decode_fields
 
 PROTOCOL = ("perplexity by teacher-forced token-by-token decoding (PG19 protocol of Adamas / RADAR): each window of "
             "seq_len tokens gets a dense prefill of its first `prefill` tokens, then the remaining seq_len - prefill "
@@ -117,6 +117,7 @@ def _result(lm, spec, method, seq_len, prefill, n, dense_layers, text_source, wi
         "mean_selected": mean_stat("mean_selected"),
         "mean_sink": mean_stat("mean_sink"),
         "mean_window": mean_stat("mean_window"),
+        **decode_fields(lm, totals, mean_stat),
         "dense_layers": sorted(dense_layers),
         "model": lm.name,
         "model_source": lm.source,

@@ -39,6 +39,7 @@ from .. import __version__
 from ..activations import Activations, check_fingerprint
 from ..cache import DecodeStats
 from ..errors import SparseKVError
+from ..patterns import FULL, AttentionPattern
 from ..methods import CacheShape, Method, get_method
 from ..models import LoadedModel
 from ..selection import Selection, resolve_budget
@@ -147,6 +148,7 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
     pos = acts.positions()
     per_seq = [(s, rows[pos["q_seq"][rows] == s]) for s in range(len(acts.seq_lengths))]
     per_seq = [(s, r[pos["q_pos"][r].argsort()]) for s, r in per_seq if len(r)]
+    patterns = acts.patterns()
     t_start = time.perf_counter()
     for layer in range(L):
         data = acts.layer(layer)
@@ -157,7 +159,7 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
             qs = data["q_post"][:, qrows].to(device, torch.float32)  # [Hq, nq, D]
             qs_pre = data["q_pre"][:, qrows].to(device, torch.float32) if pre_rope else None
             _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre, qs, qs_pre,
-                          data["q_pos"][qrows].tolist(), on_item)
+                          data["q_pos"][qrows].tolist(), on_item, patterns[layer])
     total = time.perf_counter() - t_start
     other = max(total - sum(seconds), 0.0) / len(specs)  # exact attention, loading: split evenly
     return [_result(acts, lm, sp, m, None if r is None else runners[r], a, seq_len, len(rows), sec + other)
@@ -174,8 +176,10 @@ def _bind(method: Method, target: Any) -> None:
                             f"came from") from None
 
 
-def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre, qs, qs_pre, qpos, on_item) -> None:
-    """Grow every runner's state over one sequence, query by query, and score each spec's selections."""
+def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre, qs, qs_pre, qpos, on_item,
+                  pattern: AttentionPattern = FULL) -> None:
+    """Grow every runner's state over one sequence, query by query, and score each spec's selections. `pattern`:
+    what the layer attends (a query sees only its sliding window, with the layer's scale and softcapping)."""
     _, Hkv, n, D = keys.shape
     Hq = qs.shape[0]
     G = Hq // Hkv
@@ -186,10 +190,10 @@ def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre,
     states = []
     for m in runners:
         st = m.new_state(layer, shape)
-        st.keys, st.values, st.length = kbuf, vbuf, 0
+        st.keys, st.values, st.length, st.pattern = kbuf, vbuf, 0, pattern
         states.append(st)
     cur = 0
-    scale = D**-0.5
+    scale = pattern.scaling if pattern.scaling is not None else D**-0.5
     for j, p in enumerate(qpos):
         end = p + 1
         times = [0.0] * len(runners)
@@ -209,9 +213,12 @@ def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre,
             t0 = time.perf_counter()
             sels.append(m.select(st, q, q_pre if m.needs_pre_rope else None))
             times[i] += time.perf_counter() - t0
-        # exact attention of this query over [0, p], per query head on its group's KV head
-        logits = torch.einsum("hgd,hnd->hgn", q.view(Hkv, G, D), keys[0, :, :end]).reshape(Hq, end)
-        probs = torch.softmax(logits.double() * scale, dim=-1)
+        # exact attention of this query over the keys it sees ([0, p], or its window), per query head on its KV head
+        logits = torch.einsum("hgd,hnd->hgn", q.view(Hkv, G, D), keys[0, :, :end]).reshape(Hq, end).double() * scale
+        if pattern.softcap:
+            logits = pattern.softcap * torch.tanh(logits / pattern.softcap)
+        logits[:, : pattern.start(end)] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
         masks = {}
         for i, sel in enumerate(sels):
             if i < len(methods) or i in ref_of:
@@ -224,7 +231,7 @@ def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre,
             _score(a, probs, mask, ref, Hkv, G)
             sel = sels[i]
             a.queries += 1
-            a.dense += int(bool(mask.all()))
+            a.dense += int(bool(mask[:, pattern.start(end) :].all()))
             a.stats.add_selection(sel)
         if on_item:
             on_item()

@@ -140,6 +140,16 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
     return results(True)
 
 
+def decode_fields(lm: LoadedModel, totals: list[dict], mean_stat: Callable[[str], float | None]) -> dict:
+    """How a cell's decode steps ran: `mean_context`, the keys a sparse step's layer could see on average (its
+    sliding window, else the whole cache: selectivity is attended / that); the layers that attend a sliding window
+    ({layer: keys}); the decode path (CUDA-graph replay, or eager and why)."""
+    paths = sorted({t.get("decode_path") for t in totals if t.get("decode_path")})
+    return {"mean_context": mean_stat("mean_context"),
+            "sliding_window_layers": {str(i): p.span for i, p in enumerate(lm.patterns) if p.span},
+            "decode_path": paths[0] if len(paths) == 1 else (paths or None)}
+
+
 def _mean(xs: list[float]) -> float:
     return 100.0 * sum(xs) / len(xs)
 
@@ -177,6 +187,7 @@ def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, 
         "mean_selected": mean_stat("mean_selected"),
         "mean_sink": mean_stat("mean_sink"),
         "mean_window": mean_stat("mean_window"),
+        **decode_fields(lm, totals, mean_stat),
         "dense_layers": sorted(dense_layers),
         "per_depth": [{"depth": d, "n": len(v), "score": _mean(v)} for d, v in sorted(per_depth.items())],
         "per_subtask": [{"subtask": k, "n": len(v), "score": _mean(v),

@@ -154,27 +154,28 @@ class Adamas(Method):
             state.codes[:, :, pos : pos + k.shape[2]] = self.encode(k, state.thresholds)
 
     def select(self, state: AdamasState, q: torch.Tensor, q_pre_rope) -> Selection:
-        """Lines 1-3 for the query (its group's query thresholds), line 5 against keys [sink, length - window),
-        top-k."""
-        split = self.split(state.length)
+        """Lines 1-3 for the query (its group's query thresholds), line 5 against keys [start + sink, length -
+        window), top-k."""
+        split = self.split(state)
         if split.dense:
-            return Selection(state.length, dense=True)
+            return split.selection()
         if self.rerank == 1:
             return self.select_by_codes(state, q, split)
-        wide = BudgetSplit(split.sink, split.window, split.k * self.rerank, dense=False)
-        return rerank_exact(self.select_by_codes(state, q, wide), q, state.keys, split.k)
+        p = state.pattern
+        return rerank_exact(self.select_by_codes(state, q, split.widened(split.k * self.rerank)), q, state.keys,
+                            split.k, p.scaling, p.softcap)
 
     def select_by_codes(self, state: AdamasState, q: torch.Tensor, split: BudgetSplit) -> Selection:
-        """The top split.k keys of [sink, length - window) by the configured distance."""
+        """The top split.k keys of [split.lo, split.hi) by the configured distance."""
         D = q.shape[-1]
-        lo, hi = split.sink, state.length - split.window
+        lo, hi = split.lo, split.hi
         if self.distance == "ip":
-            return topk_selection(self.ip_scores(state, q, lo, hi), split, state.length)
+            return topk_selection(self.ip_scores(state, q, lo, hi), split)
         if use_kernels(q.device):
             from sparsekv.kernels.adamas import code_scores, quantize_pack
 
             q_words = quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard)
-            sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split, state.length)
+            sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split)
             if sel is not None:  # distances and their top-k by counting
                 return sel
             scores = code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
@@ -184,7 +185,7 @@ class Adamas(Method):
             dist = adamas_distance_reference(q_words, state.codes[:, :, lo:hi], D, bits=self.bits,
                                              metric=self.distance)
             scores = pool_scores(-dist.float(), state.codes.shape[1], self.pooling)  # closer codes score higher
-        return topk_selection(scores, split, state.length)
+        return topk_selection(scores, split)
 
     def ip_scores(self, state: AdamasState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Distance "ip": the query (Hadamard-transformed, not quantized) against the codes of keys [lo, hi) read as

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import SparseKVError
+from ..patterns import FULL, AttentionPattern
 from ..selection import BudgetSplit, Selection, split_budget
 
 
@@ -37,6 +38,12 @@ class LayerState:
     keys: torch.Tensor | None = None  # [B, Hkv, max_len, D], valid up to `length`
     values: torch.Tensor | None = None
     length: int = 0
+    pattern: AttentionPattern = FULL  # what the layer may attend (its sliding window, softcapping, scale)
+
+    @property
+    def start(self) -> int:
+        """First key the newest query may attend: methods choose among [start, length) only."""
+        return self.pattern.start(self.length)
 
 
 class Method:
@@ -86,8 +93,9 @@ class Method:
         raise NotImplementedError
 
     # -- shared helpers --------------------------------------------------------------------------------------
-    def split(self, length: int) -> BudgetSplit:
-        return split_budget(self.budget, self.sink, self.window, length)
+    def split(self, state: LayerState) -> BudgetSplit:
+        """This step's budget over the keys the layer may see (BudgetSplit.lo/hi bound the sparse part's region)."""
+        return split_budget(self.budget, self.sink, self.window, state.length, state.pattern.span)
 
     def config(self) -> dict[str, Any]:
         """Everything that defines the method's behaviour: recorded in every result and artifact."""

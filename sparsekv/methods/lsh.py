@@ -89,16 +89,15 @@ class LSH(Method):
             state.codes[:, :, pos : pos + k.shape[2]] = pack_signs(x)
 
     def select(self, state: LSHState, q: torch.Tensor, q_pre_rope) -> Selection:
-        split = self.split(state.length)
+        split = self.split(state)
         if split.dense:
-            return Selection(state.length, dense=True)
+            return split.selection()
         q_words = self.query_words(state, q)
         if use_kernels(q.device):
-            sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split, state.length)
+            sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
             if sel is not None:  # Hamming distances and their top-k by counting
                 return sel
-        scores = self.hash_scores(state, q, split.sink, state.length - split.window, q_words=q_words)
-        return topk_selection(scores, split, state.length)
+        return topk_selection(self.hash_scores(state, q, split.lo, split.hi, q_words=q_words), split)
 
     def query_words(self, state: LSHState, q: torch.Tensor) -> torch.Tensor:
         """The queries' packed sign bits [B, Hq, 1, W]: H(q) = sign(q R) with their KV head's hyperplanes."""

@@ -18,8 +18,9 @@ class Oracle(Method):
     summary = "exact top-k of q·k (upper bound)"
 
     def select(self, state: LayerState, q: torch.Tensor, q_pre_rope) -> Selection:
-        split = self.split(state.length)
+        split = self.split(state)
         if split.dense:
-            return Selection(state.length, dense=True)
-        keys = state.keys[:, :, split.sink : state.length - split.window]  # [B, Hkv, n, D]
-        return topk_selection(exact_scores(q, keys, self.pooling), split, state.length)
+            return split.selection()
+        keys = state.keys[:, :, split.lo : split.hi]  # [B, Hkv, n, D]
+        p = state.pattern
+        return topk_selection(exact_scores(q, keys, self.pooling, scale=p.scaling, softcap=p.softcap), split)

@@ -111,10 +111,10 @@ class Quest(Method):
         m[:, :, first : first + pages] = kmin
 
     def select(self, state: QuestState, q: torch.Tensor, q_pre_rope) -> Selection:
-        n, S = state.length, self.page_size
-        b = resolve_budget(self.budget, n)
-        if b >= n:
-            return Selection(n, dense=True)
+        n, S, span, start = state.length, self.page_size, state.pattern.span, state.start
+        b = resolve_budget(self.budget, n - start)
+        if b >= n - start:
+            return Selection(n, dense=True, span=span)
         sink = self.sink
         if self.auto_window:  # the last page, always attended; within the budget
             window = min(n - (n - 1) // S * S, b - sink)
@@ -122,14 +122,14 @@ class Quest(Method):
             window = self.window
         if window < 0 or sink + window > b:
             raise SparseKVError(f"quest: sink ({sink}) + window ({window}) exceed the budget ({b} tokens)")
-        lo, hi = sink, n - window
+        lo, hi = start + sink, n - window
         k = (b - sink - window) // S
-        p_lo, p_hi = lo // S, -(-hi // S)  # pages overlapping [lo, hi)
+        p_lo, p_hi = lo // S, -(-hi // S)  # pages overlapping [lo, hi): the kernel clips them to it
         if k <= 0 or hi <= lo:
-            return Selection(n, sink, window)
+            return Selection(n, sink, window, span=span)
         scores = self.page_scores(state, q, p_lo, p_hi)
         pick = topk(scores, min(k, p_hi - p_lo)) + p_lo
-        return Selection(n, sink, window, blocks=pick, block_size=S)
+        return Selection(n, sink, window, blocks=pick, block_size=S, span=span)
 
     def page_scores(self, state: QuestState, q: torch.Tensor, p_lo: int, p_hi: int) -> torch.Tensor:
         """Upper bounds of pages [p_lo, p_hi), fp32 [B, Hsel, pages]: pooling "group" takes the group's max."""

@@ -20,14 +20,15 @@ class Streaming(Method):
         self.auto_window = window is None  # the window fills whatever the sink leaves of the budget
 
     def select(self, state: LayerState, q, q_pre_rope) -> Selection:
-        n = state.length
-        b = resolve_budget(self.budget, n)
-        if b >= n:
-            return Selection(n, dense=True)
+        """The first `sink` keys the layer may see and the newest ones (its whole window if that fits the budget)."""
+        n, span = state.length, state.pattern.span
+        b = resolve_budget(self.budget, n - state.start)
+        if b >= n - state.start:
+            return Selection(n, dense=True, span=span)
         window = b - self.sink if self.auto_window else self.window
         if window < 0 or self.sink + window > b:
             raise SparseKVError(f"sink ({self.sink}) + window ({window}) exceed the budget ({b} tokens)")
-        return Selection(n, sink=self.sink, window=window)
+        return Selection(n, sink=self.sink, window=window, span=span)
 
     def config(self):
         cfg = super().config()
