@@ -60,12 +60,12 @@ _POOLS = {None: 0, "sum": 1, "min": 2}
 
 
 @triton.jit
-def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, scale,
+def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, START, scale,
                           stride_xb, stride_xh, stride_xn, stride_ob, stride_oh, stride_on, stride_th,
                           D: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
                           PW2: tl.constexpr, T: tl.constexpr, TRANSFORM: tl.constexpr, PREC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_WC: tl.constexpr,
-                          N_WC: tl.constexpr):
+                          N_WC: tl.constexpr, ROW_START: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -73,6 +73,8 @@ def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, scale,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = rows < n
     x_base = X + b * stride_xb + h * stride_xh
+    if ROW_START:  # each batch row's first position, read on the device (a graph-replayed decode step)
+        start = tl.load(START + b).to(tl.int64)
     o_base = OUT + b * stride_ob + h * stride_oh + start * stride_on
     th_base = TH + (h // rep) * stride_th
     slot = tl.arange(0, PW2)
@@ -143,10 +145,11 @@ def _thresholds(thresholds: torch.Tensor, H: int, bits: int, device) -> tuple[to
     return th, th.stride(0), H // th.shape[0]
 
 
-def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor, start: int,
+def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor, start: int | torch.Tensor,
                        bits: int = 2, transform: bool = True, *, block_m: int | None = None,
                        num_warps: int = 4) -> None:
     """Codes of x [B, H, n, D] (Hadamard first if `transform`) packed into out_words[:, :, start:start + n] in place.
+    `start`: an int, or a device tensor [B] of each row's first position (not range-checked: no host read).
 
     out_words: int16 [B, H, Lmax, W] (the cache state; other slots are not touched). thresholds: fp32 [H, 2^bits - 1]
     ascending per head, [Ht, 2^bits - 1] with H % Ht == 0 (head h uses row h // (H // Ht)), or shared [2^bits - 1];
@@ -163,7 +166,10 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
             or out_words.shape[3] != W or out_words.stride(-1) != 1):
         raise ValueError(f"out_words must be int16 [{B}, {H}, Lmax, {W}] with contiguous words, "
                          f"got {out_words.dtype} {tuple(out_words.shape)}")
-    if not 0 <= start or start + n > out_words.shape[2]:
+    row_start = isinstance(start, torch.Tensor)
+    if row_start and (start.shape != (B,) or start.device != x.device):
+        raise ValueError(f"start must be an int or a tensor [{B}] on {x.device}, got {tuple(start.shape)}")
+    if not row_start and (not 0 <= start or start + n > out_words.shape[2]):
         raise ValueError(f"positions [{start}, {start + n}) do not fit out_words of length {out_words.shape[2]}")
     if n == 0:
         return
@@ -178,12 +184,12 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
     BLOCK_M = block_m or (64 if n >= 64 else 16)
     grid = (triton.cdiv(n, BLOCK_M), B * H)
     _quantize_pack_kernel[grid](
-        x, S, th, out_words, n, H, rep, start, D ** -0.5,
+        x, S, th, out_words, n, H, rep, 0 if row_start else start, start if row_start else th, D ** -0.5,
         x.stride(0), x.stride(1), x.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
         stride_th,
         D=D, W=W, BITS=bits, PW=PW, PW2=PW2, T=(1 << bits) - 1, TRANSFORM=transform, PREC=_prec(x.dtype),
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_WC=BLOCK_WC, N_WC=N_WC,
-        num_warps=num_warps,
+        ROW_START=row_start, num_warps=num_warps,
     )
 
 
@@ -482,8 +488,9 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
 
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
-              metric: str = "l1", *, pool: str | None = None, offset: int = 0, block_l: int | None = None,
-              num_warps: int = 4, _chunk: int | None = None, _tile: int | None = None) -> torch.Tensor:
+              metric: str = "l1", *, pool: str | None = None, offset: int = 0, keep: torch.Tensor | None = None,
+              block_l: int | None = None, num_warps: int = 4, _chunk: int | None = None,
+              _tile: int | None = None) -> torch.Tensor:
     """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
     in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`: a
     sampled window, one histogram pass and emit, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending
@@ -492,12 +499,15 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     57.2 µs at 131072 keys (distances 19.5 + select 34.9), pooled (8 rows) 33.8; at 32768 22.4 and 16.4. (Pooled in
     session 5, SWAR distances and three histogram passes: 60.6 against 93.5 for code_scores + topk.)
     Rows whose distances can reach 2^14 (e.g. 3-bit L2 pooled over 8 heads) raise ValueError: use code_scores +
-    topk (`code_topk_supported` tells)."""
+    topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]): keys outside it are
+    chosen last (given the largest value the select counts; ties go to the lower index)."""
     vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool))
     count_select.value_bits(vmax)  # ValueError before any work
     if not 0 <= k <= length:
         raise ValueError(f"k={k} must be between 0 and the {length} keys")
     dist = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l, num_warps)
+    if keep is not None:
+        dist.masked_fill_(~keep, (1 << count_select.value_bits(vmax)) - 1)
     return count_select.smallest_k(dist, k, vmax, offset=offset, _chunk=_chunk, _tile=_tile)
 
 

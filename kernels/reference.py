@@ -11,7 +11,10 @@ from sparsekv.selection import Selection
 
 
 def row_lengths(sel: Selection, batch: int, lengths: torch.Tensor | None, device) -> torch.Tensor:
-    """Valid keys per batch row [B] int64: `lengths` when rows differ, else the selection's length."""
+    """Valid keys per batch row [B] int64: `lengths` when given, else the selection's own (`sel.lengths`, on the
+    device), else its host length."""
+    if lengths is None:
+        lengths = sel.lengths
     if lengths is None:
         return torch.full((batch,), sel.length, dtype=torch.long, device=device)
     return torch.as_tensor(lengths, device=device).long().view(batch)
@@ -337,3 +340,51 @@ def quest_scores_reference(q: torch.Tensor, bounds: torch.Tensor, n_pages: int,
     if pool != "max":
         raise ValueError(f"pool must be None or 'max', got {pool!r}")
     return u.view(B, Hkv, Hq // Hkv, n_pages).amax(2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A decode step's layer elementwise ops (kernels/layer_ops.py), eager transformers' arithmetic.
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(h) * weight, h), h = x + residual (or x): Llama's RMSNorm (fp32 statistics, weight applied after
+    rounding back to the input dtype)."""
+    h = x + residual if residual is not None else x
+    h32 = h.float()
+    y = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return weight * y, h
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, n, D] rotated by cos/sin [B, n, R] on its first R dims (the rest passes through), in fp32."""
+    R = cos.shape[-1]
+    c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    xr = x[..., :R].float()
+    half = torch.cat((-xr[..., R // 2 :], xr[..., : R // 2]), dim=-1)
+    return torch.cat(((xr * c + half * s).to(x.dtype), x[..., R:]), dim=-1)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def write_kv_reference(keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> None:
+    rows = torch.arange(keys.shape[0], device=keys.device)
+    keys[rows, :, slot.long()] = k[:, :, 0]
+    values[rows, :, slot.long()] = v[:, :, 0]
+
+
+def pooled_log_probs_reference(logits: torch.Tensor, group: int, scale: float, softcap: float | None = None,
+                               keep: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, Hq, n] (unscaled q·k) -> log of softmax(logits x scale, softcapped, over `keep` [B, 1, n]) per query
+    head, summed over each run of `group` heads: [B, Hq // group, n] fp32 (-inf where no head keeps the key).
+    Contract of `exact_scores.pooled_log_probs`."""
+    B, Hq, n = logits.shape
+    s = logits.float() * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lp = torch.log_softmax(s, dim=-1).nan_to_num(float("-inf"), neginf=float("-inf"))
+    return torch.logsumexp(lp.view(B, Hq // group, group, n), dim=2)

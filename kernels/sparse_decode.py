@@ -184,11 +184,15 @@ def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_wa
     if check:
         check_selection(sel, B, Hs, lengths)
     group_rows = G if Hs == Hkv else 1
+    ragged = lengths is not None  # rows of their own lengths, given by the caller: grids span the whole buffer
+    lengths = lengths if ragged else sel.lengths
     lens = (torch.full((B,), sel.length, dtype=torch.int32, device=q.device) if lengths is None
             else lengths.to(device=q.device, dtype=torch.int32))
     if sel.dense:
         mode, idx, n_sparse, sink, window = MODE_DENSE, lens, 0, 0, 0
-        n_slots = keys.shape[2] if lengths is not None else sel.visible
+        # a graph-replayed step covers its extent; an eager one its host length (the device lengths agree)
+        bound = sel.extent if sel.extent is not None else keys.shape[2] if ragged else sel.length
+        n_slots = min(bound, sel.span) if sel.span else bound
     else:
         mode = MODE_INDICES
         idx = sel.indices if sel.indices is not None else lens.new_full((B, Hs, 1), -1)

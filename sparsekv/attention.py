@@ -19,7 +19,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import SparseCache, active_cache
 from .patterns import check_call
-from .selection import Selection
 from .sparse_attention import dense_attention, sparse_decode
 
 NAME = "sparsekv"
@@ -58,7 +57,7 @@ def decode_attention(cache: SparseCache, layer: int, query: torch.Tensor) -> tor
         sel = cache.method.select(state, query, q_pre)
         cache.stats.add_selection(sel)
     else:
-        sel = Selection(state.length, dense=True, span=pattern.span)
+        sel = state.selection(dense=True)
     out = sparse_decode(query, state.keys, state.values, sel, scale, softcap=pattern.softcap)
     return out.transpose(1, 2).contiguous()
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import ops
 from .errors import SparseKVError
 from .methods.base import CacheShape, LayerState, Method
 from .patterns import FULL, AttentionPattern
@@ -26,37 +27,66 @@ def active_cache() -> "SparseCache | None":
     return _ACTIVE.get()
 
 
+@dataclass(frozen=True)
+class StepEntry:
+    """What one layer's selection adds to the statistics at any length: a graph replays its selections, so the
+    decode loop adds the entries recorded while it was captured at every replayed step (DecodeStats.replay)."""
+
+    span: int
+    dense: bool
+    selected: int  # host part of the count (0 when it lives on the device)
+    sink: int
+    window: int
+
+
 @dataclass
 class DecodeStats:
     """Running totals of what sparse decode steps read, for selectivity and the result JSON.
 
-    `selected` may arrive as a 0-dim device tensor (a selection with padding): it is summed on the device and read
-    once, in `summary`, so the decode loop never waits for the GPU to count."""
+    A selection with padding counts its keys on the device: that count is summed into a device accumulator in place
+    (inside a captured graph too) and read once, in `summary`, so the decode loop never waits for the GPU."""
 
     steps: int = 0  # (layer, step) pairs that went through a method's select
     available: float = 0.0  # keys the layer could see (its sliding window, else the cache), summed over those pairs
-    selected: float | torch.Tensor = 0.0  # sparse-part keys (mean over heads), summed likewise
+    selected: float = 0.0  # sparse-part keys (mean over heads) counted on the host, summed likewise
     sink: float = 0.0
     window: float = 0.0
     decode_path: str = ""  # how the decode steps ran (sparsekv.step.decode_path): "graph", "eager (why)", ...
-
-    def add(self, length: int, selected: int | float | torch.Tensor, sink: int, window: int) -> None:
-        self.steps += 1
-        self.available += length
-        self.selected = self.selected + selected
-        self.sink += sink
-        self.window += window
+    on_device: torch.Tensor | None = None  # the device-counted part of `selected`
+    captured: list | None = None  # while a graph is captured: the StepEntry of each layer's selection
 
     def add_selection(self, sel) -> None:
         """One step's `Selection` (a dense one counts every visible key as selected, none as sink or window)."""
         if sel.dense:
-            self.add(sel.visible, sel.visible, 0, 0)
+            entry = StepEntry(sel.span, True, 0, 0, 0)
         else:
-            self.add(sel.visible, sel.selected_count(), sel.sink, sel.window)
+            count = sel.selected_count()
+            if isinstance(count, torch.Tensor):
+                if self.on_device is None:
+                    self.on_device = torch.zeros((), dtype=torch.float32, device=count.device)
+                self.on_device.add_(count.float())
+                count = 0
+            entry = StepEntry(sel.span, False, count, sel.sink, sel.window)
+        if self.captured is not None:
+            self.captured.append(entry)
+        else:
+            self.add(entry, sel.length)
+
+    def add(self, e: StepEntry, length: int) -> None:
+        visible = min(length, e.span) if e.span else length
+        self.steps += 1
+        self.available += visible
+        self.selected += visible if e.dense else e.selected
+        self.sink += e.sink
+        self.window += e.window
+
+    def replay(self, entries: list[StepEntry], length: int) -> None:
+        for e in entries:
+            self.add(e, length)
 
     def summary(self) -> dict:
         n = max(self.steps, 1)
-        selected = float(self.selected)  # the one read of a device-side total
+        selected = self.selected + (float(self.on_device) if self.on_device is not None else 0.0)  # one read
         attended = self.sink + self.window + selected
         return {
             "sparse_steps": self.steps,
@@ -91,28 +121,43 @@ class SparseLayer(CacheLayerMixin):
         self.values = torch.zeros(B, H, c.max_len, value_states.shape[-1], dtype=value_states.dtype,
                                   device=value_states.device)
         shape = CacheShape(B, H, c.q_heads, D, c.max_len, key_states.dtype, key_states.device)
+        if c.lengths is None:
+            c.lengths = torch.zeros(B, dtype=torch.int32, device=key_states.device)
+            c.slots = torch.zeros(B, dtype=torch.int32, device=key_states.device)
         self.state = c.method.new_state(self.layer_idx, shape)
         self.state.keys, self.state.values, self.state.length = self.keys, self.values, 0
         self.state.pattern = c.pattern(self.layer_idx)
+        self.state.lengths = c.lengths
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, start = key_states.shape[2], self.length
-        if start + n > self.cache.max_len:
-            raise SparseKVError(
-                f"KV cache is full: {start} + {n} tokens exceed its {self.cache.max_len} slots (raise max_len)")
+        c = self.cache
+        n = key_states.shape[2]
+        if n == 1 and c.step_pos is not None:  # a decode step: the write slot comes from the device
+            ops.write_kv(self.keys, self.values, c.slots, key_states, value_states)
+            self._index(key_states, value_states, c.slots)
+            return self.keys, self.values
+        start = self.length
+        if start + n > c.max_len:
+            raise SparseKVError(f"KV cache is full: {start} + {n} tokens exceed its {c.max_len} slots (raise max_len)")
         self.keys[:, :, start : start + n] = key_states
         self.values[:, :, start : start + n] = value_states
         self.length = self.state.length = start + n
-        if self.cache.indexes(self.layer_idx):
-            c = self.cache
-            k_pre = c.pre_rope(key_states, start, self.layer_idx) if c.method.needs_pre_rope else None
-            c.method.append(self.state, key_states, value_states, k_pre, start)
+        c.lengths.fill_(self.length)
+        self._index(key_states, value_states, start)
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def _index(self, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
+        c = self.cache
+        if c.indexes(self.layer_idx):
+            k_pre = c.pre_rope(k, pos, self.layer_idx) if c.method.needs_pre_rope else None
+            c.method.append(self.state, k, v, k_pre, pos)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.cache.step_pos is not None and query_length == 1:  # begin_step has counted the token already
+            return self.length, 0
         return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -149,6 +194,9 @@ class SparseCache(Cache):
             raise SparseKVError(f"{len(patterns)} attention patterns for {num_layers} layers")
         self.patterns = list(patterns) if patterns is not None else [FULL] * num_layers
         self.method, self.q_heads, self.max_len = method, q_heads, max_len
+        self.lengths: torch.Tensor | None = None  # [B] int32 on the device: valid keys per row (all layers alike)
+        self.slots: torch.Tensor | None = None  # [B] int32 on the device: where a decode step writes (lengths - 1)
+        self.step_pos: int | None = None  # set by begin_step: the position the next one-token updates write
         self.dense_layers = frozenset(dense_layers)
         self.rotary = rotary
         self.stats = DecodeStats()
@@ -159,6 +207,51 @@ class SparseCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         _ACTIVE.set(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def begin_step(self, pos: int) -> None:
+        """Before a decode step of one token at `pos` (every row): host lengths become pos + 1 and the device lengths
+        are filled once, so each layer's write slot, its index update and its selection read them on the device, as
+        a replayed CUDA graph does. Outside begin_step a one-token update writes at the host length."""
+        if pos + 1 > self.max_len:
+            raise SparseKVError(f"KV cache is full: position {pos} is past its {self.max_len} slots (raise max_len)")
+        self.step_pos = pos
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.length = layer.state.length = pos + 1
+        if self.lengths is not None:
+            self.lengths.fill_(pos + 1)
+            self.slots.fill_(pos)
+
+    def release(self) -> None:
+        """Free the K/V buffers and method states now (a finished generation), not when the garbage collector
+        breaks the cache's reference cycles."""
+        for layer in self.layers:
+            layer.reset()
+        self.lengths = self.slots = None
+
+    def fix_budget(self) -> None:
+        """Hold a fractional budget at its share of what each layer sees now (after the prompt) for the rest of the
+        generation: k stays fixed, so a captured step stays valid."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.state.budget_context = layer.state.length - layer.state.start
+
+    def regime(self) -> tuple:
+        """What the host decides for a step at the current length, and a captured graph holds fixed: for each layer
+        that runs the method, whether its budget is below the keys it sees (else the step reads them all)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized and self.runs_method(i):
+                st = layer.state
+                out.append(self.method.budget_tokens(st) < st.length - st.start)
+        return tuple(out)
+
+    def set_extent(self, extent: int | None) -> None:
+        """Size every layer's selection region to `extent` cache slots (a step about to be captured as a CUDA graph,
+        replayed at lengths up to it), or back to each step's exact length (None)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.state.extent = extent
 
     def indexes(self, layer_idx: int) -> bool:
         """Whether this layer keeps the method's index (dense layers do not)."""
@@ -175,9 +268,13 @@ class SparseCache(Cache):
     def layer_state(self, layer_idx: int) -> LayerState:
         return self.layers[layer_idx].state
 
-    def pre_rope(self, x: torch.Tensor, start: int, layer_idx: int) -> torch.Tensor:
-        """Rotate layer `layer_idx`'s post-RoPE x [B, H, n, D] at positions [start, start + n) back to pre-RoPE."""
+    def pre_rope(self, x: torch.Tensor, start: int | torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Rotate layer `layer_idx`'s post-RoPE x [B, H, n, D] at positions [start, start + n) back to pre-RoPE
+        (`start` an int, or a device tensor [B] of each row's first position)."""
         B, n = x.shape[0], x.shape[2]
-        pos = torch.arange(start, start + n, device=x.device).unsqueeze(0).expand(B, n)
+        if isinstance(start, int):
+            pos = torch.arange(start, start + n, device=x.device).unsqueeze(0).expand(B, n)
+        else:
+            pos = start.long().view(B, 1) + torch.arange(n, device=x.device)
         cos, sin = rope_tables(self.rotary, x, pos, self.pattern(layer_idx).rope)
         return unrotate(x, cos, sin)

@@ -563,11 +563,11 @@ def calibrate(
 
 @app.command()
 def bench(
-    seq: Annotated[int, typer.Option(help="context length in tokens, the new one included")] = 131072,
-    shape: Annotated[Optional[str], typer.Option(help="attention shape preset: llama3-8b (default), llama2-7b, "
+    seq: Annotated[str, typer.Option(help="context length(s) in tokens, the new one included; comma-separated")] = "131072",
+    shape: Annotated[Optional[str], typer.Option(help="model shape preset: llama3-8b (default), llama2-7b, "
                                                  "mistral-7b, qwen2.5-7b, smollm2-135m")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="take the shape from this model's config "
-                                                 "instead of --shape")] = None,
+                                                 "instead of --shape (with --e2e: decode this model)")] = None,
     methods: Annotated[str, typer.Option(help="comma-separated: dense (= sdpa + flashdecode), sdpa, flashdecode, "
                                          "or any registered method")] = "dense,oracle,streaming",
     budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token count(s) "
@@ -581,34 +581,60 @@ def bench(
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,
     topk: Annotated[bool, typer.Option(help="also time top-k alone: our fused and radix selects vs torch.topk")] = True,
+    e2e: Annotated[bool, typer.Option("--e2e", help="time a whole model's generation instead (random weights of "
+                                      "--shape, or --model): ms/token, tokens/s, prefill time, peak memory")] = False,
+    new_tokens: Annotated[int, typer.Option(help="with --e2e: tokens generated per method")] = 32,
     require_gpu: Annotated[bool, typer.Option(help="exit 2 instead of falling back to the CPU")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result here")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="write a PNG of µs vs seq (needs matplotlib)")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write a PNG of µs (--e2e: ms/token) vs seq (needs "
+                                                 "matplotlib)")] = None,
     device: DeviceOpt = "auto",
 ):
-    """Time one decode step of one layer per method against dense SDPA, our flash-decoding and the memory floor."""
+    """Time one decode step of one layer per method against dense SDPA, our flash-decoding and the memory floor;
+    with --e2e, a whole model's decode speed per method against dense."""
     import torch
 
-    from .bench import CPU_SEQ_CAP, from_model, from_name, run_bench
-    from .bench.plot import plot_result, require_matplotlib
-    from .bench.report import rows_table, topk_table
+    from .bench import CPU_SEQ_CAP, from_model, from_name, run_bench, run_e2e
+    from .bench.plot import plot_e2e, plot_result, require_matplotlib
+    from .bench.report import e2e_table, rows_table, topk_table
 
     if shape is not None and model is not None:
         raise SparseKVError("give --shape or --model, not both")
     if plot is not None:
         require_matplotlib()  # fail before minutes of timing, not after
     budgets = _csv(budget, float, "budget")
-    the_shape = from_name(shape or "llama3-8b") if model is None else None
+    seqs = _csv(seq, int, "seq")
+    if not seqs:
+        raise SparseKVError("give at least one --seq")
     if device == "auto" and not torch.cuda.is_available() and not require_gpu:
-        console.print(f"no GPU: running on the CPU, seq capped at {CPU_SEQ_CAP} (not GPU timings)", soft_wrap=True)
+        console.print(f"no GPU: running on the CPU{'' if e2e else f', seq capped at {CPU_SEQ_CAP}'} (not GPU "
+                      f"timings)", soft_wrap=True)
+    if e2e:
+        if len(budgets) != 1:
+            raise SparseKVError("--e2e takes one --budget")
+        with console.status("bench --e2e ...") as status:
+            result = run_e2e(seqs, methods, budgets[0], shape=shape, model=model, batch=batch, new_tokens=new_tokens,
+                             dtype=dtype, device=device, method_options={"sink": sink, "window": window,
+                                                                         "pooling": pooling, "distance": distance,
+                                                                         "rerank": rerank},
+                             require_gpu=require_gpu, progress=lambda msg: status.update(f"bench --e2e: {msg}"))
+        out = console if console.is_terminal else Console(width=160)
+        out.print(e2e_table(result))
+        for note in result["notes"]:
+            out.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
+        _write_json(json_out, result)
+        if plot is not None:
+            console.print(f"wrote {plot_e2e(result, plot)}")
+        return
+    the_shape = from_name(shape or "llama3-8b") if model is None else None
     if model is not None:
         with console.status(f"reading the shape of {model} ..."):
             the_shape = from_model(model)
     with console.status("bench ...") as status:
-        result = run_bench(the_shape, seq, methods, budgets, batch=batch, dtype=dtype, device=device,
-                           sweep=True if sweep else None, sink=sink, window=window, pooling=pooling,
-                           method_options={"distance": distance, "rerank": rerank}, require_gpu=require_gpu,
-                           topk=topk, progress=lambda msg: status.update(f"bench: {msg}"))
+        result = run_bench(the_shape, seqs[0], methods, budgets, batch=batch, dtype=dtype, device=device,
+                           sweep=True if sweep else (seqs if len(seqs) > 1 else None), sink=sink, window=window,
+                           pooling=pooling, method_options={"distance": distance, "rerank": rerank},
+                           require_gpu=require_gpu, topk=topk, progress=lambda msg: status.update(f"bench: {msg}"))
     out = console if console.is_terminal else Console(width=160)  # logs and pipes get whole columns, not 80
     out.print(rows_table(result))
     t = topk_table(result)

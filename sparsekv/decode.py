@@ -7,6 +7,7 @@ each new token indexed as it is appended).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +28,7 @@ class Generation:
     prompt_tokens: int
     stats: dict = field(default_factory=dict)
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
+    timing: dict = field(default_factory=dict)  # first_step_s, steady_steps, steady_ms_per_step (_StepClock)
 
 
 @dataclass
@@ -101,19 +103,42 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
         logits = _run_prefill(lm, ids, cache, prefill_chunk)
     else:
         logits = _load_prefill(cache, prefilled)
+    cache.fix_budget()
     eos = _eos_ids(lm) if stop_on_eos else set()
     step_fn = make_step(lm, cache)
     out, kept = [], []
+    clock = _StepClock()
     for step in range(max_new_tokens):
         if keep_logits:
             kept.append(logits[0].float().cpu())
         nxt = int(logits[0].argmax())
+        clock.tick()
         out.append(nxt)
         if nxt in eos or step == max_new_tokens - 1:
             break
         logits = step_fn(torch.tensor([[nxt]], device=ids.device), n + step)
     text = lm.tokenizer.decode(out, skip_special_tokens=True)
-    return Generation(out, text, n, cache.stats.summary(), kept)
+    stats = cache.stats.summary()
+    cache.release()
+    return Generation(out, text, n, stats, kept, clock.summary())
+
+
+class _StepClock:
+    """Wall time of the decode steps, read where the loop already waits for each token on the host: the first step
+    (on a GPU it compiles and captures the step's graph) apart from the steady ones after it."""
+
+    def __init__(self):
+        self.marks: list[float] = []
+
+    def tick(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def summary(self) -> dict:
+        m = self.marks
+        steady = len(m) - 2  # marks: after the prefill, after step 1, after each later step
+        return {"first_step_s": m[1] - m[0] if len(m) > 1 else None,
+                "steady_steps": max(steady, 0),
+                "steady_ms_per_step": 1e3 * (m[-1] - m[1]) / steady if steady > 0 else None}
 
 
 @torch.no_grad()
@@ -135,6 +160,7 @@ def score_continuation(lm: LoadedModel, method: Method, prefilled: Prefill, targ
     n = ids.shape[1]
     cache = make_cache(lm, method, n + T - 1 if T > 1 else n, dense_layers)
     logits = _load_prefill(cache, prefilled)
+    cache.fix_budget()
     nll = torch.zeros((), dtype=torch.float64, device=ids.device)  # summed on the device: no sync per step
     step_fn = make_step(lm, cache)
     for i in range(T):
@@ -144,7 +170,9 @@ def score_continuation(lm: LoadedModel, method: Method, prefilled: Prefill, targ
         if i == T - 1:
             break
         logits = step_fn(tgt[i].view(1, 1), n + i)
-    return float(nll), T, cache.stats.summary()
+    stats = cache.stats.summary()
+    cache.release()
+    return float(nll), T, stats
 
 
 def _eos_ids(lm: LoadedModel) -> set[int]:

@@ -38,8 +38,6 @@ class LoadedModel:
     tokenizer: object
     name: str  # what results and artifacts call it
     source: str  # where it came from (path, wheel, "in-memory")
-    # the decode step's CUDA graphs (sparsekv.step.GraphedForward), captured on first use and kept with the model
-    graphs: object = field(default=None, repr=False, compare=False)
     # set once a GPU run has said on stderr that this model decodes without graphs (said once per model)
     told_eager: bool = field(default=False, repr=False, compare=False)
 

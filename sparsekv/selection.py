@@ -5,6 +5,11 @@ A selection has a sparse part (token indices, fixed-size blocks, or CSR bucket l
 methods choose only among positions [start + sink, length - window), so the kernel can simply add the two without
 de-duplication. `start` is 0 unless the layer attends a sliding window (`span`: the last `span` keys): then every
 part, the dense one included, lies in the window (sparsekv/patterns.py).
+
+Graph-replayed decode steps (DESIGN.md, "Graph-capturable decode") read lengths from the device: a selection then
+carries `lengths` (valid keys per batch row, on the device) and `extent` (the cache slots its kernels' grids are
+sized to), and the sparse part is chosen over a region that holds for every length the graph is replayed at, with
+the positions outside the step's own region masked out on the device (`BudgetSplit.keep`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Selection:
     bucket_tokens: torch.Tensor | None = None  # [B, H, T] token positions grouped by bucket
     padded: bool = True  # False when `indices` holds no -1 (a top-k result): its count is known on the host
     span: int = 0  # the layer's sliding window (keys the newest one may see), 0 = all: start = length - span
+    lengths: torch.Tensor | None = None  # [B] valid keys per row on the device: what the kernels read when given
+    extent: int | None = None  # a graph-replayed step: kernel grids span this many cache slots, not `length`
 
     @property
     def start(self) -> int:
@@ -85,8 +92,11 @@ class Selection:
         if self.blocks is not None:
             offs = torch.arange(self.block_size, device=self.blocks.device)
             pos = self.blocks.unsqueeze(-1) * self.block_size + offs
-            hi = self.length - self.window  # blocks are clipped to the sparse region
-            lo = self.start + self.sink
+            lo, hi = self.start + self.sink, self.length - self.window  # blocks are clipped to the sparse region
+            if self.lengths is not None:  # each row's own region, read on the device
+                L = self.lengths.view(-1, 1, 1, 1).long()
+                lo = ((L - self.span).clamp(min=0) if self.span else 0) + self.sink
+                hi = L - self.window
             pos = torch.where((self.blocks.unsqueeze(-1) >= 0) & (pos >= lo) & (pos < hi), pos, -1)
             return pos.flatten(-2)
         if self.buckets is not None:
@@ -126,7 +136,11 @@ def resolve_budget(budget: float, length: int) -> int:
 @dataclass(frozen=True)
 class BudgetSplit:
     """How one step's budget is spent: `sink` + `window` dense tokens, `k` chosen from the rest, all among the keys
-    [start, length) the layer may see (`span`: its sliding window, 0 = every key)."""
+    [start, length) the layer may see (`span`: its sliding window, 0 = every key).
+
+    The sparse part is chosen from positions [lo, hi). An eager step knows its length, so that region is exact. A
+    graph-replayed step (`extent` set: the cache slots the graph covers) cannot: its region is the one that holds for
+    every length up to `extent`, and `keep` marks, on the device from `lengths`, the positions of this step's own."""
 
     sink: int
     window: int
@@ -134,6 +148,8 @@ class BudgetSplit:
     dense: bool
     length: int = 0
     span: int = 0
+    lengths: torch.Tensor | None = None
+    extent: int | None = None
 
     @property
     def start(self) -> int:
@@ -142,33 +158,54 @@ class BudgetSplit:
     @property
     def lo(self) -> int:
         """First position of the region the sparse part is chosen from ..."""
-        return self.start + self.sink
+        return self.sink if self.extent is not None else self.start + self.sink
 
     @property
     def hi(self) -> int:
         """... and one past its last."""
-        return self.length - self.window
+        return (self.extent if self.extent is not None else self.length) - self.window
+
+    def keep(self) -> torch.Tensor | None:
+        """bool [B, 1, hi - lo]: which positions of [lo, hi) this step may choose (per batch row, from the device
+        lengths), or None when the region is exact."""
+        if self.extent is None:
+            return None
+        pos = torch.arange(self.lo, self.hi, device=self.lengths.device).view(1, 1, -1)
+        L = self.lengths.view(-1, 1, 1).long()
+        lo = ((L - self.span).clamp(min=0) if self.span else 0) + self.sink
+        return (pos >= lo) & (pos < L - self.window)
+
+    def masked(self, scores: torch.Tensor, worst: float | int) -> torch.Tensor:
+        """`scores` [B, H, hi - lo] with the positions this step may not choose set to `worst`."""
+        keep = self.keep()
+        return scores if keep is None else scores.masked_fill(~keep, worst)
 
     def selection(self, **sparse) -> Selection:
         """The step's Selection: every visible key when dense, else the dense part plus `sparse` (indices=, ...)."""
+        where = dict(span=self.span, lengths=self.lengths, extent=self.extent)
         if self.dense:
-            return Selection(self.length, dense=True, span=self.span)
-        return Selection(self.length, self.sink, self.window, span=self.span, **sparse)
+            return Selection(self.length, dense=True, **where)
+        return Selection(self.length, self.sink, self.window, **where, **sparse)
 
     def widened(self, k: int) -> "BudgetSplit":
         return replace(self, k=k)
 
 
-def split_budget(budget: float, sink: int, window: int, length: int, span: int = 0) -> BudgetSplit:
+def split_budget(budget: float, sink: int, window: int, length: int, span: int = 0,
+                 lengths: torch.Tensor | None = None, extent: int | None = None,
+                 context: int | None = None) -> BudgetSplit:
     """Carve sink and window out of the budget (as Quest/Adamas count it), within the keys the layer may see at this
-    step: all `length`, or its last `span` (a fractional budget is a fraction of those)."""
+    step: all `length`, or its last `span`. A fractional budget is a fraction of `context` (fixed for a generation)
+    or else of those. `lengths`/`extent`: a graph-replayed step's device lengths and the slots its graph covers
+    (BudgetSplit)."""
     visible = min(length, span) if span else length
-    b = resolve_budget(budget, visible)
+    b = resolve_budget(budget, context or visible)
+    where = dict(length=length, span=span, lengths=lengths, extent=extent)
     if b >= visible:
-        return BudgetSplit(0, 0, 0, dense=True, length=length, span=span)
+        return BudgetSplit(0, 0, 0, dense=True, **where)
     if sink + window > b:
         raise SparseKVError(f"sink ({sink}) + window ({window}) exceed the budget ({b} tokens)")
-    return BudgetSplit(sink, window, b - sink - window, dense=False, length=length, span=span)
+    return BudgetSplit(sink, window, b - sink - window, dense=False, **where)
 
 
 def pool_scores(scores: torch.Tensor, n_kv_heads: int, pooling: str, reduce: str = "sum") -> torch.Tensor:
@@ -187,28 +224,34 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit) -> Selection:
     k = min(split.k, scores.shape[-1])
     if k <= 0:
         return split.selection()
-    return split.selection(indices=topk(scores, k) + split.lo, padded=False)
+    return split.selection(indices=topk(split.masked(scores, float("-inf")), k) + split.lo, padded=False)
 
 
 def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: torch.Tensor | None = None,
-                 scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
-    """The oracle's ranking: the softmax of the layer's attention logits (q·k x scale, default 1/sqrt(D), softcapped
-    when the layer is) per query head, pooled as `pool_scores` does. q [B, Hq, 1, D]; keys [B, Hkv, L, D]; the keys
+                 scale: float | None = None, softcap: float | None = None,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle's ranking: the log of the softmax of the layer's attention logits (q·k x scale, default 1/sqrt(D),
+    softcapped when the layer is) per query head, summed over the group with pooling "group" (the log keeps the
+    ranking and no key underflows to a tie). q [B, Hq, 1, D]; keys [B, Hkv, L, D]; the keys
     scored are all L, or per selection head those at `indices` [B, H, m] (H = Hkv: a group's query heads score the
     same keys; H = Hq: each query head its own). Returns [B, H, m]: per query head with pooling "head", per KV head
     ("group" sums the group's softmax). On the GPU q·k comes from the sparse-decode kernel
     (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, fp32 sums), elsewhere from its torch
-    reference."""
+    reference. `keep` (bool [B, 1, m], BudgetSplit.keep): keys outside it get no probability (-inf). The softmax and
+    the group's sum are `kernels/exact_scores.py::pooled_log_probs` (its reference off the GPU)."""
     from .sparse_attention import use_kernels
 
     if use_kernels(q.device):
+        from sparsekv.kernels.exact_scores import pooled_log_probs
         from sparsekv.kernels.sparse_decode import qk_logits
     else:
+        from sparsekv.kernels.reference import pooled_log_probs_reference as pooled_log_probs
         from sparsekv.kernels.reference import qk_logits_reference as qk_logits
-    logits = qk_logits(q, keys, indices) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    return pool_scores(torch.softmax(logits, dim=-1), keys.shape[1], pooling)
+    if pooling not in ("group", "head"):
+        raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
+    group = q.shape[1] // keys.shape[1] if pooling == "group" else 1
+    return pooled_log_probs(qk_logits(q, keys, indices), group, q.shape[-1] ** -0.5 if scale is None else scale,
+                            softcap, keep)
 
 
 def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, scale: float | None = None,
@@ -241,14 +284,15 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
     k = min(split.k, hi - lo)
     if k <= 0:
         return split.selection()
-    idx = code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits=bits, metric=metric, pool=pool, offset=lo)
+    idx = code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits=bits, metric=metric, pool=pool, offset=lo,
+                    keep=split.keep())
     return split.selection(indices=idx, padded=False)
 
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim: our select kernels on the GPU (`kernels/topk.py`, exact,
-    ties to the lower index, no sort; the fused path unless $SPARSEKV_TOPK says: `default_path`), torch.topk
-    elsewhere."""
+    """Indices of the k largest scores along the last dim, ties to the lower index (so a row padded with worse scores,
+    as a graph-replayed step's is, chooses the same keys): our select kernels on the GPU (`kernels/topk.py`, exact, no
+    sort; the fused path unless $SPARSEKV_TOPK says: `default_path`), their stable-sort reference elsewhere."""
     from .sparse_attention import use_kernels
 
     if use_kernels(scores.device):
@@ -256,4 +300,6 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
         flat = scores.reshape(-1, scores.shape[-1]).contiguous()
         return select_topk(flat, k).view(*scores.shape[:-1], k)
-    return torch.topk(scores.float(), k, dim=-1, sorted=False).indices
+    from sparsekv.kernels.reference import topk_reference
+
+    return topk_reference(scores, k)

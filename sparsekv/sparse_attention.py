@@ -21,7 +21,7 @@ from .selection import Selection
 def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection,
                   scale: float, softcap: float | None = None) -> torch.Tensor:
     """q [B, Hq, 1, D] against the keys `sel` names -> [B, Hq, 1, D]. `softcap`: the layer's logit softcapping."""
-    if sel.dense:
+    if sel.dense and sel.extent is None:  # an eager step: its host length is exact
         lo, L = sel.start, sel.length
         return dense_attention(q, keys[:, :, lo:L], values[:, :, lo:L], scale, softcap=softcap)
     if use_kernels(q.device):

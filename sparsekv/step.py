@@ -1,13 +1,18 @@
-"""One decode step (one new token through the model): the eager transformers call, or the same maths split at
-attention with every piece between two attention calls replayed as a CUDA graph.
+"""One decode step (one new token through the model): the eager transformers call, or the same maths as one CUDA
+graph, replayed for every token.
 
-Why: a decode step of a small model is bound by the CPU. SmolLM2 (30 layers) launches ~925 kernels per token from
-eager transformers code, ~45 ms of CPU for ~2.3 ms of GPU work on the H100 machine
-(results/decode-token-cost-h100.json). Whole-step graphs would need every method's `select` written for a
-device-side length; instead we split the step where attention happens (vLLM's "piecewise" graphs). The pieces -
-embedding, norms, projections, RoPE, MLP, the head - hold no per-step Python state, so each is captured once per
-model and replayed for every prompt and method; cache update, the method's select and the sparse-decode call stay
-eager, exactly the code the transformers path runs (`sparsekv_attention`).
+Why: a decode step is bound by the CPU when it is launched from Python. SmolLM2 (30 layers) launches ~925 kernels per
+token from eager transformers code, ~45 ms of CPU for ~2.3 ms of GPU work on the H100 machine; with Llama-3-8B's shape
+at 131072 tokens a query-aware method's select and attention, eager, cost more than the keys they save. So the whole
+step - embedding, every layer's norms, projections, RoPE, K/V write, the method's index update and select, the
+sparse attention, the MLP, the head - is captured once per cache and regime and replayed (vLLM, SGLang and
+FlashInfer decode the same way). The rules that make a method capturable are in DESIGN.md ("Graph-capturable
+decode"): lengths and write slots live on the device (`SparseCache.begin_step`), selection regions are sized to the
+cache (`SparseCache.set_extent`) and masked on the device, nothing reads a value back to the host.
+
+A graph holds what the host decided when it was captured: for each layer whether its budget is below what it sees
+(`SparseCache.regime`). That changes at most once per layer in a generation, when the context outgrows the budget;
+a new regime is captured on first use (one eager step that also compiles and allocates, then the capture).
 
 The split forward is written for the Llama family (llama, mistral, qwen2, qwen3, sliding windows included; not a
 RoPE whose tables change with the length): the transformers layer code it mirrors is short and shared by those
@@ -25,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from . import ops
 from .attention import decode_attention
 from .cache import SparseCache
 from .errors import SparseKVError
@@ -46,6 +52,11 @@ def split_supported(lm: LoadedModel) -> str | None:
     need = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, a) for a in need) or not hasattr(lm.model, "lm_head"):
         return "the model does not have the Llama module layout"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"MLP activation {cfg.hidden_act!r} (the split step fuses SiLU)"
+    norms = [base.norm, *(m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm))]
+    if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
+        return "the model's RMSNorm is not Llama's (weight x normalised input)"
     rope = getattr(base.rotary_emb, "rope_type", "default")
     if "dynamic" in rope or "longrope" in rope:  # their tables change with the length (a host-side check)
         return f"RoPE type {rope!r} recomputes its tables as the context grows"
@@ -53,129 +64,157 @@ def split_supported(lm: LoadedModel) -> str | None:
 
 
 class SplitForward:
-    """The decode-step forward of a Llama-family model in pieces that end where attention starts.
-
-    piece 0: token, position -> hidden, (cos, sin), layer 0's q/k/v
-    piece i: layer i-1's attention output -> hidden, layer i's q/k/v        (1 <= i < L)
-    piece L: layer L-1's attention output -> logits
-    Between pieces `attend` runs layer i's cache update and attention, eagerly.
-    """
+    """The decode-step forward of a Llama-family model written out, with the elementwise work fused (`sparsekv.ops`:
+    a residual add with the next RMSNorm, RoPE of q and k, SiLU(gate) x up: one kernel each on a GPU, the eager
+    arithmetic elsewhere) and each layer's attention through `attend` (cache update, the method's select, the
+    sparse-decode call)."""
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
         self.causal = lm.model
         self.base = lm.model.model
         self.layers = list(self.base.layers)
-        self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        # one matrix-vector product for q, k and v, one for gate and up: fewer, larger GEMVs read the weights
+        # closer to copy bandwidth (cuBLAS took 5.2 µs for each 8 MB k/v product of Llama-3-8B on the H200)
+        self.qkv_w = [_joined(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
+        self.gate_up_w = [_joined(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
 
-    def qkv(self, i: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        layer = self.layers[i]
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
+    def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer i's q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (post-RoPE) of its normalised input x [B, 1, hidden]."""
+        attn = self.layers[i].self_attn
         shape = (*x.shape[:-1], -1, attn.head_dim)
-        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        if self.qkv_w[i] is not None:
+            w, b = self.qkv_w[i]
+            q, k, v = torch.nn.functional.linear(x, w, b).split([m.out_features for m in (
+                attn.q_proj, attn.k_proj, attn.v_proj)], dim=-1)
+            q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        else:
+            q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
         if hasattr(attn, "q_norm"):  # qwen3 normalises q and k per head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
+            q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)[0]
+            k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)[0]
+        return ops.rope(q.transpose(1, 2), cos, sin), ops.rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def after_attention(self, i: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        layer = self.layers[i]
-        hidden = hidden + layer.self_attn.o_proj(attn_out)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-    def piece(self, i: int, *inputs):
-        L = len(self.layers)
-        if i == 0:
-            token, pos = inputs
-            hidden = self.base.embed_tokens(token)
-            cos, sin = self.base.rotary_emb(hidden, pos)
-            return (hidden, cos, sin, *self.qkv(0, hidden, cos, sin))
-        hidden, cos, sin, attn_out = inputs
-        hidden = self.after_attention(i - 1, hidden, attn_out)
-        if i == L:
-            return (self.causal.lm_head(self.base.norm(hidden))[:, -1],)
-        return (hidden, *self.qkv(i, hidden, cos, sin))
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        m = self.layers[i].mlp
+        if self.gate_up_w[i] is not None:
+            w, b = self.gate_up_w[i]
+            gate, up = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
+        else:
+            gate, up = m.gate_proj(x), m.up_proj(x)
+        return m.down_proj(ops.silu_mul(gate, up))
 
     def attend(self, i: int, cache: SparseCache, q, k, v) -> torch.Tensor:
-        """Layer i's cache update and attention (the method's select included) -> [1, 1, Hq * D]."""
+        """Layer i's cache update and attention (the method's select included) -> [B, 1, Hq * D]."""
         cache.update(k, v, i)
         out = decode_attention(cache, i, q)
         return out.reshape(*out.shape[:2], -1)
 
+    def forward(self, cache: SparseCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Logits [1, vocab] of token [1, 1] at position ids [1, 1]; the cache's begin_step has been called. The
+        residual stream h takes each sublayer's output in the next RMSNorm's fused add."""
+        h = self.base.embed_tokens(token)
+        cos, sin = self.base.rotary_emb(h, pos)
+        out = None  # the last sublayer's output, not yet added to h
+        for i, layer in enumerate(self.layers):
+            ln = layer.input_layernorm
+            x, h = ops.rms_norm(h if out is None else out, ln.weight, ln.variance_epsilon, None if out is None else h)
+            q, k, v = self.qkv(i, x, cos, sin)
+            o = layer.self_attn.o_proj(self.attend(i, cache, q, k, v))
+            ln = layer.post_attention_layernorm
+            x, h = ops.rms_norm(o, ln.weight, ln.variance_epsilon, h)
+            out = self.mlp(i, x)
+        x, _ = ops.rms_norm(out, self.base.norm.weight, self.base.norm.variance_epsilon, h)
+        return self.causal.lm_head(x)[:, -1]
+
     @torch.no_grad()
     def step(self, cache: SparseCache, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """The whole step, every piece eager (the CPU path of the tests; graphs replay the same pieces)."""
-        p = torch.tensor([[pos]], device=token.device)
-        hidden, cos, sin, q, k, v = self.piece(0, token, p)
-        for i in range(1, len(self.layers) + 1):
-            out = self.piece(i, hidden, cos, sin, self.attend(i - 1, cache, q, k, v))
-            if i < len(self.layers):
-                hidden, q, k, v = out
-        return out[0]
+        """The whole step eagerly (the CPU path of the tests; a graph replays the same calls)."""
+        cache.begin_step(pos)
+        return self.forward(cache, token.view(1, 1), torch.tensor([[pos]], device=token.device))
 
 
-class GraphedForward:
-    """SplitForward with each piece captured as a CUDA graph once; replays run the step for any cache."""
+def _joined(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weights (and biases) of `module`'s linear layers `names` as one matrix whose rows are theirs, in order:
+    the layers' own parameters become views of it (no second copy; the model computes exactly as before), and it is
+    kept on the module for the next step function. None where they cannot be joined (other devices or dtypes)."""
+    linears = [getattr(module, n, None) for n in names]
+    if not all(isinstance(m, torch.nn.Linear) for m in linears):
+        return None
+    kept = getattr(module, "_sparsekv_joined", None)
+    if kept is not None and kept[0].data_ptr() == linears[0].weight.data_ptr():  # not moved or cast since
+        return kept
+    ws = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
+        return None
+    kept = (_rows_of_one(ws), None if biases[0] is None else _rows_of_one(biases))
+    module._sparsekv_joined = kept
+    return kept
 
-    @torch.no_grad()
-    def __init__(self, split: SplitForward, warmup: int = 2):
-        lm = split.lm
-        dev, dtype = lm.device, next(lm.model.parameters()).dtype
-        self.split = split
-        L, Hq, D = len(split.layers), lm.q_heads, lm.head_dim
+
+def _rows_of_one(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One tensor whose consecutive rows are the parameters' data; each parameter's data becomes a view of it."""
+    whole = torch.cat([p.data for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = whole[start : start + p.shape[0]]
+        start += p.shape[0]
+    return whole
+
+
+class StepGraph:
+    """The whole decode step over one cache as CUDA graphs, one per regime (module docstring); replays read the
+    token and position from two small device buffers and every length from the cache's device lengths."""
+
+    def __init__(self, split: SplitForward, cache: SparseCache):
+        dev = split.lm.device
+        self.split, self.cache = split, cache
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        # where the eager attention of layer i writes its output, read by piece i + 1
-        self.attn_in = [torch.zeros(1, 1, Hq * D, dtype=dtype, device=dev) for _ in range(L)]
-        self.key = weights_key(lm)
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.outs: list[tuple] = []
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph's docs ask
-            for _ in range(warmup):
-                warm: list[tuple] = []
-                for i in range(L + 1):
-                    warm.append(split.piece(i, *self._inputs(i, warm)))
-        torch.cuda.current_stream(dev).wait_stream(side)
-        for i in range(L + 1):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = split.piece(i, *self._inputs(i, self.outs))
-            self.graphs.append(g)
-            self.outs.append(out)
-        torch.cuda.synchronize(dev)
-
-    def _inputs(self, i: int, outs: list[tuple]) -> tuple:
-        if i == 0:
-            return self.token, self.pos
-        return outs[i - 1][0], outs[0][1], outs[0][2], self.attn_in[i - 1]
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        cache.set_extent(cache.max_len)  # every step, eager or replayed, selects over regions sized to the cache
 
     @torch.no_grad()
-    def step(self, cache: SparseCache, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """Logits [1, vocab] for `token` at `pos`; the tensor is the graph's own output, valid until the next step."""
+    def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """Logits [1, vocab] for `token` at `pos`: the graph's own output, valid until the next step."""
+        c = self.cache
+        c.begin_step(pos)
         self.token.copy_(token.view(1, 1))
         self.pos.fill_(pos)
-        split, outs, L = self.split, self.outs, len(self.split.layers)
-        for i in range(L):
-            self.graphs[i].replay()
-            q, k, v = outs[i][-3:]
-            self.attn_in[i].copy_(split.attend(i, cache, q, k, v))
-        self.graphs[L].replay()
-        return outs[L][0]
+        regime = c.regime()
+        hit = self.graphs.get(regime)
+        if hit is None:
+            return self._capture(regime)
+        graph, out, entries = hit
+        graph.replay()
+        c.stats.replay(entries, pos + 1)
+        return out
 
-
-def weights_key(lm: LoadedModel) -> tuple:
-    """What captured graphs depend on: they read the weights at fixed addresses, so a model moved or cast since
-    (new tensors: `.to()` replaces every parameter, so the first and last tell) must be captured again."""
-    params = list(lm.model.parameters())
-    return tuple((p.device, p.dtype, p.data_ptr()) for p in (params[0], params[-1]))
+    def _capture(self, regime: tuple) -> torch.Tensor:
+        """Run this step eagerly on a side stream (it compiles kernels and allocates their scratch, as
+        torch.cuda.graph asks), then capture it; the eager run's logits are this step's."""
+        c, dev = self.cache, self.token.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            logits = self.split.forward(c, self.token, self.pos).clone()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        c.stats.captured = []
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.split.forward(c, self.token, self.pos)
+        finally:
+            entries, c.stats.captured = c.stats.captured, None
+        self.graphs[regime] = (graph, out, entries)
+        return logits
 
 
 def _eager_step(lm: LoadedModel, cache: SparseCache) -> StepFn:
     def step(token: torch.Tensor, pos: int) -> torch.Tensor:
+        cache.begin_step(pos)
         p = torch.tensor([[pos]], device=token.device)
         return lm.model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=p,
                         use_cache=True).logits[:, -1]
@@ -183,13 +222,17 @@ def _eager_step(lm: LoadedModel, cache: SparseCache) -> StepFn:
     return step
 
 
+MODES = ("eager", "split", "static", "graph")
+
+
 def decode_path(lm: LoadedModel, mode: str | None = None) -> tuple[str, str | None]:
     """(mode, why the faster path is not taken or None) for `make_step`. mode: "eager" (the transformers call),
-    "split" (the split forward, no graphs: for tests on the CPU), "graph", or None: graphs on CUDA when the model
-    allows and SPARSEKV_GRAPHS is not 0, else eager."""
+    "split" (the split forward, no graphs: for tests on the CPU), "static" (the split forward exactly as a graph
+    replays it: regions sized to the cache and masked from the device lengths; for tests), "graph", or None: graphs
+    on CUDA when the model allows and SPARSEKV_GRAPHS is not 0, else eager."""
     flag = os.environ.get("SPARSEKV_GRAPHS", "")
-    if mode not in (None, "eager", "split", "graph"):
-        raise SparseKVError(f"unknown decode-step mode {mode!r}: use eager, split or graph")
+    if mode not in (None, *MODES):
+        raise SparseKVError(f"unknown decode-step mode {mode!r}: use {', '.join(MODES)}")
     why = split_supported(lm)
     if mode is not None:
         if mode != "eager" and why is not None:
@@ -216,13 +259,12 @@ def make_step(lm: LoadedModel, cache: SparseCache, mode: str | None = None) -> S
             print(f"sparsekv: decoding eagerly, without CUDA graphs (slower): {why}", file=sys.stderr)
             lm.told_eager = True
         return _eager_step(lm, cache)
-    if mode == "split":
-        split = SplitForward(lm)
+    split = SplitForward(lm)
+    if mode in ("split", "static"):
+        cache.set_extent(cache.max_len if mode == "static" else None)
         return lambda token, pos: split.step(cache, token, pos)
     if lm.device.type != "cuda":
         raise SparseKVError("CUDA graphs (asked for by SPARSEKV_GRAPHS=1 or mode='graph') need the model on a CUDA "
                             "device")
-    graphed = lm.graphs
-    if graphed is None or graphed.key != weights_key(lm):
-        graphed = lm.graphs = GraphedForward(SplitForward(lm))
-    return lambda token, pos: graphed.step(cache, token, pos)
+    graphed = StepGraph(split, cache)
+    return graphed.step

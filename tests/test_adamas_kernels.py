@@ -239,6 +239,15 @@ def test_quantize_pack_into_writes_only_its_slots(bits):
     quantize_pack_into(xt, th, state, 18, bits=bits)
     assert torch.equal(state[:, :, 18:19], quantize_pack(xt.contiguous(), th, bits))
     assert torch.equal(state[:, :, 19:], before[:, :, 19:])
+    # a graph-replayed decode step: each row's slot read on the device
+    rows = torch.tensor([25, 3], dtype=torch.int32, device=DEV)
+    one = torch.randn(B, H, 1, D, generator=_gen(9)).to(DEV)
+    quantize_pack_into(one, th, state, rows, bits=bits)
+    codes = quantize_pack(one, th, bits)
+    assert torch.equal(state[0, :, 25:26], codes[0]) and torch.equal(state[1, :, 3:4], codes[1])
+    assert torch.equal(state[0, :, 19:25], before[0, :, 19:25]) and torch.equal(state[1, :, 19:], before[1, :, 19:])
+    with pytest.raises(ValueError, match="start must be"):
+        quantize_pack_into(one, th, state, rows[:1], bits=bits)
     with pytest.raises(ValueError):
         quantize_pack_into(x, th, state, Lmax - 3, bits=bits)  # would run past the buffer
     with pytest.raises(ValueError):

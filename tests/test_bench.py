@@ -151,6 +151,40 @@ def test_cli_bad_input_is_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
+def test_e2e_rows_and_json(tmp_path):
+    """`bench --e2e` decodes a whole model per method from one shared prefill: every row has its timings, the
+    speedup against dense of the same run, the floor and the decode path."""
+    out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
+    r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "120,200", "--methods", "dense,oracle,quest", "--budget",
+                 "32", "--new-tokens", "5", "--json", str(out), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert [(x["seq"], x["method"]) for x in rows] == [(s, m) for s in (120, 200) for m in ("dense", "oracle", "quest")]
+    for x in rows:
+        assert x["ms_per_token"] > 0 and x["tokens_per_s"] == pytest.approx(1e3 / x["ms_per_token"], rel=1e-3)
+        assert x["steps"] == 3 and x["floor_ms"] > 0 and x["decode_path"]
+        assert x["speedup_vs_dense"] == pytest.approx(
+            next(d["ms_per_token"] for d in rows if d["seq"] == x["seq"] and d["method"] == "dense") / x["ms_per_token"],
+            rel=1e-3)
+    assert rows[1]["budget"] == 32 and rows[1]["selectivity"] < 0.3 and rows[0]["budget"] is None
+    assert res["config"]["batch"] == 1 and res["config"]["weights_bytes"] > 0 and png.stat().st_size > 0
+    assert "whole-model decode" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch", "2"], "batch 1"),
+    (["--budget", "32,64"], "one --budget"),
+    (["--methods", "dense,bogus"], "unknown method(s) bogus"),
+    (["--seq", "5000"], "exceed tiny-random(seed=0)'s context"),
+])
+def test_e2e_bad_input_is_one_line(args, message):
+    r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "100", "--methods", "dense,oracle", "--budget", "16",
+                 "--new-tokens", "3", *args)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and lines and message in lines[-1], r.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cli_require_gpu():
     r = sparsekv("--require-gpu")

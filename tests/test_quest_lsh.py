@@ -84,7 +84,8 @@ def test_quest_bound_upper_bounds_every_key(G):
 
 
 # Hand-built: page size 4, D 2, one KV head, query heads qA = (1, 1), qB = (1, -1). Length 21: pages 0..4 are full,
-# page 5 holds the current token (position 20) and is the window. Budget 9 = window 1 + 2 pages.
+# page 5 holds the current token (position 20) and is always attended. Budget 12 = 3 pages, the last one included
+# (the authors' page budget): 2 pages chosen.
 #   page  keys                       max    min     U_A  U_B  group max  true max A, B
 #   0     (0,0) x4                   (0,0)  (0,0)    0    0    0          0, 0
 #   1     (3,0) (0,3) (0,0) (0,0)    (3,3)  (0,0)    6    3    6          3, 3
@@ -98,7 +99,7 @@ HAND_Q = [[1.0, 1.0], [1.0, -1.0]]
 
 
 def quest_hand(**options):
-    m = get_method("quest", budget=9, page_size=4, **options)
+    m = get_method("quest", budget=12, page_size=4, **options)
     keys = torch.tensor(HAND_KEYS, dtype=torch.float32).view(1, 1, 21, 2)
     st = build(m, keys, [13, *range(14, 22)], q_heads=2)
     return m, st, m.select(st, torch.tensor(HAND_Q).view(1, 2, 1, 2), None)
@@ -107,27 +108,30 @@ def quest_hand(**options):
 def test_quest_hand_built_selection():
     m, st, sel = quest_hand()
     assert m.page_scores(st, torch.tensor(HAND_Q).view(1, 2, 1, 2), 0, 5).tolist() == [[[0, 6, 4, 5, 0]]]
-    assert (sel.sink, sel.window, sel.block_size, sel.length) == (0, 1, 4, 21)
-    assert sorted(sel.blocks[0, 0].tolist()) == [1, 3]
-    assert sorted(selection_positions(sel, 1, 1)[0, 0].tolist()) == [4, 5, 6, 7, 12, 13, 14, 15, 20]
-    assert sel.attended() == 9 and sel.n_selected == 8
+    assert (sel.sink, sel.window, sel.block_size, sel.length) == (0, 0, 4, 21)
+    assert sorted(sel.blocks[0, 0].tolist()) == [1, 3, 5]  # page 5: the newest key's
+    read = selection_positions(sel, 1, 1)[0, 0]
+    assert sorted(read[read >= 0].tolist()) == [4, 5, 6, 7, 12, 13, 14, 15, 20]
+    assert sel.attended() == 9 and sel.n_selected == 9
     _, _, per_head = quest_hand(pooling="head")
-    assert [sorted(r) for r in per_head.blocks[0].tolist()] == [[1, 2], [1, 3]]
+    assert [sorted(r) for r in per_head.blocks[0].tolist()] == [[1, 2, 5], [1, 3, 5]]
 
 
 def test_quest_hand_built_on_the_kernel_device():
     """On a GPU the bounds stay in the cache's half dtype (bf16) and the scores come out in fp32."""
     dtype = torch.bfloat16 if DEV.type == "cuda" else torch.float16
-    m = get_method("quest", budget=9, page_size=4)
+    m = get_method("quest", budget=12, page_size=4)
     keys = torch.tensor(HAND_KEYS, dtype=dtype, device=DEV).view(1, 1, 21, 2)
     st = build(m, keys, [13, *range(14, 22)], q_heads=2)
     q = torch.tensor(HAND_Q, dtype=dtype, device=DEV).view(1, 2, 1, 2)
     assert st.bounds.dtype == dtype
     assert m.page_scores(st, q, 0, 5).dtype == torch.float32
-    assert sorted(m.select(st, q, None).blocks[0, 0].tolist()) == [1, 3]
+    assert sorted(m.select(st, q, None).blocks[0, 0].tolist()) == [1, 3, 5]
 
 
 def test_quest_window_is_the_last_page_and_budget_is_honest():
+    """The newest key's page is always read, as one of the budget's B // S pages (the authors' page budget); a
+    budget below one page reads the newest budget keys."""
     S, D = 16, 8
     keys = torch.randn(1, 2, 200, D, generator=_gen(3))
     q = torch.randn(1, 4, 1, D, generator=_gen(4))
@@ -140,10 +144,13 @@ def test_quest_window_is_the_last_page_and_budget_is_honest():
             m.append(st, keys[:, :, L - 1 : L], keys[:, :, L - 1 : L], None, L - 1)
             sel = m.select(st, q, None)
             fill = L - (L - 1) // S * S
-            assert sel.sink == 0 and sel.window == min(fill, budget)
-            assert sel.attended() <= budget
-            if budget >= 2 * S:
-                assert sel.n_selected == (budget - sel.window) // S * S  # whole pages only
+            assert sel.sink == 0 and sel.attended() <= budget
+            if budget < S:
+                assert sel.window == budget and not sel.has_sparse
+            else:
+                assert sel.window == 0 and sel.blocks.shape[-1] == budget // S
+                assert (sel.blocks[..., -1] == (L - 1) // S).all()
+                assert sel.n_selected == (budget // S - 1) * S + fill  # whole pages and the newest one's keys
             check_selection(sel, 1, 2)
             pos = selection_positions(sel, 1, 2)
             assert (pos >= 0).sum(-1).eq(sel.attended()).all()
@@ -330,7 +337,8 @@ def test_runtime_full_budget_equals_dense(tiny, prompt_ids, name):
 def test_runtime_sparse_budgets(tiny, prompt_ids):
     q = generate(tiny, prompt_ids, get_method("quest", budget=40), 6, stop_on_eos=False)
     assert q.stats["sparse_steps"] > 0 and q.stats["mean_attended"] <= 40 and q.stats["mean_sink"] == 0
-    assert 1 <= q.stats["mean_window"] <= 16 and q.stats["mean_selected"] % 16 == 0
+    # 40 // 16 = 2 pages: one chosen, and the newest key's, partly filled (prompt 200 + 1..5 tokens: 9..13 keys)
+    assert q.stats["mean_window"] == 0 and q.stats["mean_selected"] == pytest.approx(16 + 11)
     s = generate(tiny, prompt_ids, get_method("lsh", budget=40), 6, stop_on_eos=False)
     assert s.stats["mean_attended"] == 40 and s.stats["mean_selected"] == 40 and s.stats["mean_window"] == 0
 
@@ -342,10 +350,10 @@ def test_bench_rows():
     res = run_bench("smollm2-135m", L, "quest,lsh", budget, batch=B, dtype="fp32", device="cpu", topk=False)
     rows = {r["method"]: r for r in res["rows"]}
     quest, lsh = rows["quest"], rows["lsh"]
-    assert quest["sink"] == 0 and quest["window"] == 16 and quest["selected"] == budget - 16  # L is page-aligned
+    assert quest["sink"] == 0 and quest["window"] == 0 and quest["selected"] == budget  # L is page-aligned
     assert lsh["selected"] == budget and lsh["selectivity"] == pytest.approx(budget / L)
     assert quest["method_config"]["page_size"] == 16 and lsh["method_config"]["nbits"] == 128
     D, Hkv = 64, 3
-    assert quest["bytes"]["select"] == B * Hkv * (L // 16 - 1) * 2 * D * 4  # max and min of each candidate page
+    assert quest["bytes"]["select"] == B * Hkv * (L // 16) * 2 * D * 4  # max and min of each page
     # 128 bits = 8 int16 words per key, and the hyperplanes the query is hashed with
     assert lsh["bytes"]["select"] == B * Hkv * L * 8 * 2 + Hkv * D * 128 * 4

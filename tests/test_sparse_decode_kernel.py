@@ -268,3 +268,31 @@ def test_gpu_qk_logits_real_shapes():
     _close_logits(qk_logits(q, k), qk_logits_reference(q, k), torch.bfloat16)
     idx = _indices(B, Hkv * G, L, 0, 0, 8192)
     _close_logits(qk_logits(q, k, idx), qk_logits_reference(q, k, idx), torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_pooled_log_probs_matches_reference(group, softcap):
+    """The oracle's two-pass softmax + group sum (in logs) against its reference and against the plain sum of
+    probabilities, with and without a keep mask (a replayed step's region) and on rows that keep nothing."""
+    from sparsekv.kernels.exact_scores import pooled_log_probs
+    from sparsekv.kernels.reference import pooled_log_probs_reference
+
+    B, Hq, n = 2, 8, 2500
+    logits = torch.randn(B, Hq, n, generator=torch.Generator().manual_seed(group)).to(DEV) * 6
+    keep = torch.rand(B, 1, n, generator=torch.Generator().manual_seed(5)).to(DEV) < 0.7
+    for k in (None, keep):
+        got = pooled_log_probs(logits, group, 0.3, softcap, k)
+        ref = pooled_log_probs_reference(logits, group, 0.3, softcap, k)
+        assert got.shape == (B, Hq // group, n)
+        finite = torch.isfinite(ref)
+        assert torch.equal(finite, torch.isfinite(got)) and (k is None or torch.equal(finite, k.expand_as(finite)))
+        torch.testing.assert_close(got[finite], ref[finite], atol=1e-4, rtol=1e-4)
+        s = logits * 0.3
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        probs = torch.softmax(s if k is None else s.masked_fill(~k, float("-inf")), -1)
+        summed = probs.view(B, Hq // group, group, n).sum(2)
+        torch.testing.assert_close(got.exp(), summed, atol=1e-6, rtol=1e-4)
+    nothing = torch.zeros(B, 1, n, dtype=torch.bool, device=DEV)
+    assert torch.isneginf(pooled_log_probs(logits, group, 0.3, softcap, nothing)).all()

@@ -93,11 +93,7 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
         _speedups(rows)
 
     return {
-        "schema": SCHEMA,
-        "tool": "sparsekv bench",
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device_info(dev),
-        "versions": _versions(),
+        **result_header("sparsekv bench", SCHEMA, dev),
         "config": {"shape": shape.to_dict(), "seq": seqs, "requested_seq": seq, "methods": names,
                    "budgets": budgets, "batch": batch, "dtype": str(dt).replace("torch.", ""), "device": str(dev),
                    "sink": sink, "window": window, "pooling": pooling, "sweep": bool(sweep), "seed": seed,
@@ -255,6 +251,13 @@ def _kernels_env(dev: torch.device):
                 os.environ.pop("SPARSEKV_KERNELS", None)
             else:
                 os.environ["SPARSEKV_KERNELS"] = old
+
+
+def result_header(tool: str, schema: int, dev: torch.device) -> dict:
+    """What every bench JSON starts with: schema, tool, time, device and versions."""
+    return {"schema": schema, "tool": tool,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": _device_info(dev), "versions": _versions()}
 
 
 def _device_info(dev: torch.device) -> dict:

@@ -18,7 +18,11 @@ class Shape:
     q_heads: int
     kv_heads: int
     head_dim: int
-    layers: int = 0  # informational: the bench times one layer
+    layers: int = 0  # the per-layer bench times one layer; `--e2e` builds them all
+    hidden: int = 0  # the whole model's dimensions, for `--e2e` (0: attention shape only)
+    intermediate: int = 0
+    vocab: int = 0
+    rope_theta: float = 10000.0
 
     def __post_init__(self):
         if min(self.q_heads, self.kv_heads, self.head_dim) <= 0 or self.q_heads % self.kv_heads:
@@ -37,12 +41,12 @@ class Shape:
         return asdict(self)
 
 
-SHAPES: dict[str, Shape] = {s.name: s for s in (
-    Shape("llama3-8b", 32, 8, 128, 32),
-    Shape("llama2-7b", 32, 32, 128, 32),
-    Shape("mistral-7b", 32, 8, 128, 32),
-    Shape("qwen2.5-7b", 28, 4, 128, 28),
-    Shape("smollm2-135m", 9, 3, 64, 30),
+SHAPES: dict[str, Shape] = {s.name: s for s in (  # from each model's config.json
+    Shape("llama3-8b", 32, 8, 128, 32, 4096, 14336, 128256, 500000.0),
+    Shape("llama2-7b", 32, 32, 128, 32, 4096, 11008, 32000, 10000.0),
+    Shape("mistral-7b", 32, 8, 128, 32, 4096, 14336, 32768, 1000000.0),
+    Shape("qwen2.5-7b", 28, 4, 128, 28, 3584, 18944, 152064, 1000000.0),
+    Shape("smollm2-135m", 9, 3, 64, 30, 576, 1536, 49152, 100000.0),
 )}
 
 

@@ -51,7 +51,7 @@ from ..artifacts import load_artifact
 from ..errors import SparseKVError
 from ..selection import BudgetSplit, Selection, code_selection, pool_scores, rerank_exact, topk_selection
 from ..sparse_attention import use_kernels
-from .base import CacheShape, LayerState, Method, register
+from .base import CacheShape, LayerState, Method, register, write_at
 
 FIXED_THRESHOLDS = {1: (0.0,), 2: (-10.0, 0.0, 10.0), 3: (-15.0, -10.0, -5.0, 0.0, 5.0, 10.0, 15.0)}
 CODE_DISTANCES = ("l1", "l2")  # between the query's codes and the keys' (the paper: l1)
@@ -151,7 +151,7 @@ class Adamas(Method):
 
             quantize_pack_into(k, state.thresholds, state.codes, pos, bits=self.bits, transform=self.hadamard)
         else:
-            state.codes[:, :, pos : pos + k.shape[2]] = self.encode(k, state.thresholds)
+            write_at(state.codes, pos, self.encode(k, state.thresholds))
 
     def select(self, state: AdamasState, q: torch.Tensor, q_pre_rope) -> Selection:
         """Lines 1-3 for the query (its group's query thresholds), line 5 against keys [start + sink, length -

@@ -2,6 +2,20 @@
 
 The cache, the attention function, eval and bench only ever call `new_state`, `append` and `select`, so they never
 branch on method names. A method implements its own maths and nothing the runtime already does.
+
+What `append` and `select` may do, so that a whole decode step can be captured as one CUDA graph and replayed for
+every token (sparsekv/step.py):
+- allocate nothing persistent: `new_state` preallocates the state for the cache's capacity;
+- never read a device value on the host (no `.item()`, `int(tensor)`, `.tolist()`, data-dependent shapes, Python
+  branches on tensor values);
+- in a decode step, `append` gets the write slots as a device tensor [B] (`write_at` takes both forms);
+- decide on the host only what stays fixed while the context grows past the budget: `split` (dense or not, k, sink,
+  window) does; the region the sparse part comes from is `BudgetSplit.lo/hi`, exact in an eager step, sized to the
+  cache in a captured one, with `BudgetSplit.keep` / `masked` marking on the device the positions of this step;
+- build selections with `split.selection(...)` or `state.selection(...)`, which carry the device lengths the kernels
+  read.
+Tests run every method through the split step in "static" mode (exactly what a graph replays) against the eager
+transformers call (tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import torch
 
 from ..errors import SparseKVError
 from ..patterns import FULL, AttentionPattern
-from ..selection import BudgetSplit, Selection, split_budget
+from ..selection import BudgetSplit, Selection, resolve_budget, split_budget
 
 
 @dataclass(frozen=True)
@@ -39,11 +53,24 @@ class LayerState:
     values: torch.Tensor | None = None
     length: int = 0
     pattern: AttentionPattern = FULL  # what the layer may attend (its sliding window, softcapping, scale)
+    # The device side of `length` ([B] int32, kept by the cache), and the cache slots a graph-replayed step covers
+    # (None: an eager step, whose host `length` is exact). A method's `append`/`select` must never read them back
+    # to the host; what they compute from the host `length` is fixed for a captured graph (selection.BudgetSplit).
+    lengths: torch.Tensor | None = None
+    extent: int | None = None
+    # what a fractional budget is a fraction of for a whole generation (the keys the layer saw after the prompt),
+    # so k stays fixed while it decodes; None: the keys it sees now
+    budget_context: int | None = None
 
     @property
     def start(self) -> int:
         """First key the newest query may attend: methods choose among [start, length) only."""
         return self.pattern.start(self.length)
+
+    def selection(self, **parts) -> Selection:
+        """A Selection for this step (sink=, window=, blocks=, dense=, ...) with the layer's span and the step's
+        device lengths and extent filled in."""
+        return Selection(self.length, span=self.pattern.span, lengths=self.lengths, extent=self.extent, **parts)
 
 
 class Method:
@@ -86,8 +113,9 @@ class Method:
         return LayerState()
 
     def append(self, state: LayerState, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor | None,
-               pos: int) -> None:
-        """Index keys [B, Hkv, n, D] that were just written at positions [pos, pos + n)."""
+               pos: int | torch.Tensor) -> None:
+        """Index keys [B, Hkv, n, D] that were just written at positions [pos, pos + n). `pos` is a host int, or in
+        a decode step (n = 1) the device tensor [B] of each row's write slot (`write_at` takes both)."""
 
     def select(self, state: LayerState, q: torch.Tensor, q_pre_rope: torch.Tensor | None) -> Selection:
         raise NotImplementedError
@@ -95,12 +123,28 @@ class Method:
     # -- shared helpers --------------------------------------------------------------------------------------
     def split(self, state: LayerState) -> BudgetSplit:
         """This step's budget over the keys the layer may see (BudgetSplit.lo/hi bound the sparse part's region)."""
-        return split_budget(self.budget, self.sink, self.window, state.length, state.pattern.span)
+        return split_budget(self.budget, self.sink, self.window, state.length, state.pattern.span, state.lengths,
+                            state.extent, state.budget_context)
+
+    def budget_tokens(self, state: LayerState) -> int:
+        """The budget in keys at this step (a fraction resolved against `state.budget_context` when it is set)."""
+        return resolve_budget(self.budget, state.budget_context or state.length - state.start)
 
     def config(self) -> dict[str, Any]:
         """Everything that defines the method's behaviour: recorded in every result and artifact."""
         return {"method": self.name, "budget": self.budget, "sink": self.sink, "window": self.window,
                 "pooling": self.pooling}
+
+
+def write_at(buf: torch.Tensor, pos: int | torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [B, H, n, ...] into buf [B, H, L, ...] at positions [pos, pos + n): `pos` an int (every row), or for
+    one token (n = 1) a device tensor [B] of per-row positions (a graph-replayed step's write slots)."""
+    if isinstance(pos, int):
+        buf[:, :, pos : pos + x.shape[2]] = x
+        return
+    if x.shape[2] != 1:
+        raise SparseKVError(f"device positions write one token per row, got {x.shape[2]}")
+    buf[torch.arange(buf.shape[0], device=buf.device), :, pos.long()] = x[:, :, 0]
 
 
 REGISTRY: dict[str, type[Method]] = {}

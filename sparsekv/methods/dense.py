@@ -15,7 +15,7 @@ class Dense(Method):
         super().__init__(budget=1.0, sink=0, window=0, pooling=pooling, **options)
 
     def select(self, state: LayerState, q, q_pre_rope) -> Selection:
-        return Selection(state.length, dense=True, span=state.pattern.span)
+        return state.selection(dense=True)
 
     def config(self):
         return {"method": self.name}

@@ -41,7 +41,7 @@ from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_dista
 from ..errors import SparseKVError
 from ..selection import Selection, code_selection, pool_scores, topk_selection
 from ..sparse_attention import use_kernels
-from .base import CacheShape, LayerState, Method, register
+from .base import CacheShape, LayerState, Method, register, write_at
 
 PROJECTIONS = ("rotation", "gaussian")
 SIGN = torch.zeros(1)  # the one threshold of a 1-bit code: bit = 1[x·r > 0]
@@ -86,7 +86,7 @@ class LSH(Method):
 
             quantize_pack_into(x, state.sign, state.codes, pos, bits=1, transform=False)
         else:
-            state.codes[:, :, pos : pos + k.shape[2]] = pack_signs(x)
+            write_at(state.codes, pos, pack_signs(x))
 
     def select(self, state: LSHState, q: torch.Tensor, q_pre_rope) -> Selection:
         split = self.split(state)

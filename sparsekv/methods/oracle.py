@@ -23,4 +23,5 @@ class Oracle(Method):
             return split.selection()
         keys = state.keys[:, :, split.lo : split.hi]  # [B, Hkv, n, D]
         p = state.pattern
-        return topk_selection(exact_scores(q, keys, self.pooling, scale=p.scaling, softcap=p.softcap), split)
+        scores = exact_scores(q, keys, self.pooling, scale=p.scaling, softcap=p.softcap, keep=split.keep())
+        return topk_selection(scores, split)

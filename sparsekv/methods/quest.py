@@ -13,13 +13,14 @@ Defaults and where they come from:
 - The budget is in tokens, as the paper counts it ("the number of tokens in selected pages as the Token Budget",
   §3.4): B tokens = B // S pages *including* the last page, which holds the current token and is always attended
   (the authors' InferenceController: `page_budget` is the "real page budget including the last page", the top-k
-  runs over `kv_indices_without_last`). Here the last page is the dense `window`: its 1..S tokens change every step,
-  the other (B - window) // S pages are chosen by U, so a step reads at most B keys. (The authors' HF evaluation path,
-  evaluation/quest_attention.py, instead ranks every page and keeps at least 3; we follow the kernel path.) A window
-  given explicitly replaces the last page; pages then are chosen among those that overlap [sink, length - window)
-  and are clipped to it (Selection.sparse_positions, the sparse-decode kernel), so the sparse part never re-reads
-  the dense part and the count stays within the budget. A budget below one page keeps only the newest budget - sink
-  tokens of the last page.
+  runs over `kv_indices_without_last`). Here the last page is one more block beside the B // S - 1 pages chosen by
+  U among the others, clipped to the keys that exist; a step reads at most B keys (fewer while the last page fills).
+  (The authors' HF evaluation path, evaluation/quest_attention.py, instead ranks every page and keeps at least 3; we
+  follow the kernel path.) A window given explicitly replaces the last page; pages then are chosen among those that
+  overlap [sink, length - window) and are clipped to it (Selection.sparse_positions, the sparse-decode kernel), so
+  the sparse part never re-reads the dense part and the count stays within the budget. A budget below one page
+  beside the sink keeps only the newest budget - sink tokens. The page count is fixed for a generation, so a decode
+  step can be replayed as a CUDA graph while the last page fills.
 - sink 0: Quest has no attention sink.
 - The paper leaves the first two layers dense ("we only apply Quest and all baselines on later layers", §3.4; the
   authors' code: `layer_id < 2`): here that is the runtime's `--dense-layers 0,1`.
@@ -43,7 +44,7 @@ import torch
 from sparsekv.kernels.reference import quest_scores_reference
 
 from ..errors import SparseKVError
-from ..selection import Selection, resolve_budget, topk
+from ..selection import BudgetSplit, Selection, topk
 from ..sparse_attention import use_kernels
 from .base import CacheShape, LayerState, Method, register
 
@@ -82,14 +83,22 @@ class Quest(Method):
                              device=shape.device)
         return QuestState(bounds=bounds)
 
-    def append(self, state: QuestState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
+    def append(self, state: QuestState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos) -> None:
         """Fold keys [B, Hkv, n, D] at positions [pos, pos + n) into their pages' max/min (Algorithm 1)."""
         B, H, n, D = k.shape
         if n == 0:
             return
         S = self.page_size
-        off, first = pos % S, pos // S
         M, m = state.page_max, state.page_min
+        if not isinstance(pos, int):  # a decode step with device write slots [B]: one key per row
+            rows, page = torch.arange(B, device=k.device), pos.long() // S
+            fresh = (pos.long() % S == 0).view(B, 1, 1)  # the first key of its page replaces the bounds
+            k1 = k[:, :, 0].to(M.dtype)
+            hi = torch.where(fresh, k1, torch.maximum(M[rows, :, page], k1))
+            lo = torch.where(fresh, k1, torch.minimum(m[rows, :, page], k1))
+            state.bounds[rows, :, page] = torch.cat((hi, lo), dim=-1)
+            return
+        off, first = pos % S, pos // S
         if n == 1:  # a decode step: one key into one page, in place
             k1 = k[:, :, 0].to(M.dtype)
             if off:
@@ -111,25 +120,54 @@ class Quest(Method):
         m[:, :, first : first + pages] = kmin
 
     def select(self, state: QuestState, q: torch.Tensor, q_pre_rope) -> Selection:
-        n, S, span, start = state.length, self.page_size, state.pattern.span, state.start
-        b = resolve_budget(self.budget, n - start)
-        if b >= n - start:
-            return Selection(n, dense=True, span=span)
-        sink = self.sink
-        if self.auto_window:  # the last page, always attended; within the budget
-            window = min(n - (n - 1) // S * S, b - sink)
-        else:
-            window = self.window
-        if window < 0 or sink + window > b:
+        n, S, sink = state.length, self.page_size, self.sink
+        visible = n - state.start
+        b = self.budget_tokens(state)
+        if b >= visible:
+            return state.selection(dense=True)
+        window = 0 if self.auto_window else self.window
+        if sink + window > b:
             raise SparseKVError(f"quest: sink ({sink}) + window ({window}) exceed the budget ({b} tokens)")
-        lo, hi = start + sink, n - window
-        k = (b - sink - window) // S
-        p_lo, p_hi = lo // S, -(-hi // S)  # pages overlapping [lo, hi): the kernel clips them to it
-        if k <= 0 or hi <= lo:
-            return Selection(n, sink, window, span=span)
-        scores = self.page_scores(state, q, p_lo, p_hi)
-        pick = topk(scores, min(k, p_hi - p_lo)) + p_lo
-        return Selection(n, sink, window, blocks=pick, block_size=S, span=span)
+        k = (b - sink - window) // S - (1 if self.auto_window else 0)  # the last page counts against the budget
+        if k < 0:  # below one page beside the sink: the newest b - sink tokens
+            return state.selection(sink=sink, window=b - sink)
+        split = BudgetSplit(sink, window, k, False, n, state.pattern.span, state.lengths, state.extent)
+        p_lo, p_hi = split.lo // S, -(-split.hi // S)  # pages overlapping [lo, hi): the kernel clips them to it
+        blocks = []
+        if k > 0 and p_hi > p_lo:
+            scores = self.page_scores(state, q, p_lo, p_hi)
+            ok = self._choosable(state, split, p_lo, p_hi)  # [B, 1, pages]
+            scores = scores.masked_fill(~ok, float("-inf"))
+            pick = topk(scores, min(k, p_hi - p_lo))
+            chosen = torch.gather(scores, 2, pick) > float("-inf")  # fewer choosable pages than k: pad
+            blocks.append(torch.where(chosen, pick + p_lo, -1))
+        if self.auto_window:  # the page of the newest key, always attended (the authors' "last page")
+            H = blocks[0].shape[1] if blocks else (q.shape[1] if self.pooling == "head" else state.bounds.shape[1])
+            blocks.append(self._last_page(state).view(-1, 1, 1).expand(q.shape[0], H, 1))
+        if not blocks:
+            return state.selection(sink=sink, window=window)
+        return state.selection(sink=sink, window=window, blocks=torch.cat(blocks, dim=-1), block_size=S)
+
+    def _last_page(self, state: QuestState) -> torch.Tensor:
+        """[B] the page of each row's newest key, on the device."""
+        if state.lengths is not None:
+            return (state.lengths.long() - 1) // self.page_size
+        return torch.full((1,), (state.length - 1) // self.page_size, device=state.bounds.device)
+
+    def _choosable(self, state: QuestState, split: BudgetSplit, p_lo: int, p_hi: int) -> torch.Tensor:
+        """bool [B, 1, p_hi - p_lo]: pages overlapping this step's region [lo, hi), the newest key's page left out
+        when it is attended anyway (auto window)."""
+        S = self.page_size
+        page = torch.arange(p_lo, p_hi, device=state.bounds.device).view(1, 1, -1)
+        if state.lengths is not None:
+            L = state.lengths.view(-1, 1, 1).long()
+        else:
+            L = torch.full((1, 1, 1), state.length, device=page.device)
+        lo = ((L - split.span).clamp(min=0) if split.span else 0) + split.sink
+        ok = ((page + 1) * S > lo) & (page * S < L - split.window)
+        if self.auto_window:
+            ok &= page != (L - 1) // S
+        return ok
 
     def page_scores(self, state: QuestState, q: torch.Tensor, p_lo: int, p_hi: int) -> torch.Tensor:
         """Upper bounds of pages [p_lo, p_hi), fp32 [B, Hsel, pages]: pooling "group" takes the group's max."""

@@ -4,7 +4,7 @@ Defaults follow the paper: 4 sink tokens; the window takes the rest of the budge
 """
 
 from ..errors import SparseKVError
-from ..selection import Selection, resolve_budget
+from ..selection import Selection
 from .base import LayerState, Method, register
 
 
@@ -21,14 +21,14 @@ class Streaming(Method):
 
     def select(self, state: LayerState, q, q_pre_rope) -> Selection:
         """The first `sink` keys the layer may see and the newest ones (its whole window if that fits the budget)."""
-        n, span = state.length, state.pattern.span
-        b = resolve_budget(self.budget, n - state.start)
-        if b >= n - state.start:
-            return Selection(n, dense=True, span=span)
+        visible = state.length - state.start
+        b = self.budget_tokens(state)
+        if b >= visible:
+            return state.selection(dense=True)
         window = b - self.sink if self.auto_window else self.window
         if window < 0 or self.sink + window > b:
             raise SparseKVError(f"sink ({self.sink}) + window ({window}) exceed the budget ({b} tokens)")
-        return Selection(n, sink=self.sink, window=window, span=span)
+        return state.selection(sink=self.sink, window=window)
 
     def config(self):
         cfg = super().config()

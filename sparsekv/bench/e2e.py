@@ -1,0 +1,187 @@
+"""`sparsekv bench --e2e`: what users see, a whole model's decode speed per method at long context.
+
+For each context length one random prompt is prefilled densely (timed), then every method decodes `new_tokens`
+tokens from that prefill with the same loop eval and generate use (`decode.generate`: on a GPU the whole step replayed
+as a CUDA graph). The first tokens of each method compile its kernels and capture its graph and are not timed; the
+timed generation is a second one. Reported per method: prefill seconds, decode ms per token and tokens per second,
+the speedup over dense in the same run, peak GPU memory, the decode path, and the memory floor of a decode step: the
+weights plus the K/V bytes dense reads per token, at the measured copy bandwidth.
+
+A random-weight model of a named shape (`--shape`) decodes exactly the work a trained one does; its q/k weights are
+scaled up so attention is peaky, as in `models.tiny_random`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from ..errors import SparseKVError
+from ..methods import check_options_used, get_method, method_names, options_for
+from ..models import LoadedModel, byte_tokenizer, load_model, wire
+from .floor import copy_bandwidth
+from .run import _device, _dtype, result_header
+from .shapes import Shape, from_name
+
+SCHEMA = 1
+PROTOCOL = ("end-to-end greedy decoding, batch 1: one dense prefill of a random prompt per context length (timed), "
+            "then per method a warm-up generation (kernel compiles) and a timed one of new_tokens tokens from the "
+            "same prefill; ms/token is the steady decode steps' wall time (each ends when its token reaches the "
+            "host), after the generation's first step, which captures its CUDA graph (first_step_s; generate_s is "
+            "the whole call, loading the prefill included). Query-aware selection at every step. floor = (weights + "
+            "the K/V dense reads per token) / measured copy bandwidth.")
+
+
+def random_model(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+    """A random-weight Llama-architecture model of `shape` (its hidden, MLP and vocabulary sizes), built on `device`
+    in `dtype`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not shape.hidden:
+        raise SparseKVError(f"shape {shape.name!r} has no model dimensions for an end-to-end run; use --model")
+    tok = byte_tokenizer()
+    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                      num_hidden_layers=shape.layers, num_attention_heads=shape.q_heads,
+                      num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, max_position_embeddings=1 << 20,
+                      rope_theta=shape.rope_theta, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(old)
+        for layer in model.model.layers:  # peaky attention, so a selection's choice matters
+            layer.self_attn.q_proj.weight.data.mul_(8)
+            layer.self_attn.k_proj.weight.data.mul_(8)
+    return wire(LoadedModel(model, tok, f"random-{shape.name}", "in-memory (random weights)"))
+
+
+def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *, shape: Shape | str | None = None,
+            model: str | None = None, batch: int = 1, new_tokens: int = 32, warmup_tokens: int = 4,
+            dtype: str | torch.dtype = "bf16", device: str = "auto", method_options: dict | None = None,
+            require_gpu: bool = False, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+    """Decode speed of a whole model per method (module docstring): one JSON-ready dict."""
+    say = progress or (lambda msg: None)
+    if batch != 1:
+        raise SparseKVError(f"--e2e decodes batch 1 (batches of several prompts are not implemented yet), got "
+                            f"--batch {batch}")
+    seqs = [int(s) for s in seqs]
+    if not seqs or min(seqs) < 2:
+        raise SparseKVError(f"--seq must be at least 2 tokens, got {seqs}")
+    if new_tokens < 2 or warmup_tokens < 2:
+        raise SparseKVError("--new-tokens and the warm-up need at least 2 tokens (the first comes from the prefill)")
+    names = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    unknown = [n for n in names if n not in method_names()]
+    if not names or unknown:
+        raise SparseKVError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; available: "
+                            f"{', '.join(method_names())}")
+    options = {k: v for k, v in (method_options or {}).items() if v is not None}
+    check_options_used(names, options)
+    if shape is not None and model is not None:
+        raise SparseKVError("give --shape or --model, not both")
+    dt = _dtype(dtype)
+    dev, _ = _device(device, require_gpu)
+    notes = [] if dev.type == "cuda" else ["no GPU: CPU timings of the eager step, not what a GPU run measures"]
+
+    say("measuring copy bandwidth")
+    bw = copy_bandwidth(dev)
+    say("building the model")
+    if model is not None:
+        lm = load_model(model, device=dev, dtype=dt, quiet=True)
+    else:
+        lm = random_model(from_name(shape or "llama3-8b") if not isinstance(shape, Shape) else shape, dt, dev, seed)
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    itemsize = torch.empty((), dtype=dt).element_size()
+    rows = []
+    for seq in seqs:
+        if lm.max_context and seq + new_tokens > lm.max_context:
+            raise SparseKVError(f"--seq {seq} + {new_tokens} new tokens exceed {lm.name}'s context "
+                                f"({lm.max_context} tokens)")
+        kv = 2 * lm.num_layers * lm.kv_heads * lm.head_dim * itemsize * (seq + new_tokens // 2)
+        floor_ms = (weights + kv) / (bw["GBps"] * 1e6)
+        rows += _one_length(lm, seq, names, budget, options, new_tokens, warmup_tokens, seed, floor_ms, say)
+    _speedups(rows)
+    return {
+        **result_header("sparsekv bench --e2e", SCHEMA, dev),
+        "config": {"model": lm.name, "model_source": lm.source, "layers": lm.num_layers, "q_heads": lm.q_heads,
+                   "kv_heads": lm.kv_heads, "head_dim": lm.head_dim, "weights_bytes": weights, "seq": seqs,
+                   "methods": names, "budget": budget, "method_options": options, "batch": batch,
+                   "new_tokens": new_tokens, "warmup_tokens": warmup_tokens, "dtype": str(dt).replace("torch.", ""),
+                   "device": str(dev), "seed": seed},
+        "protocol": PROTOCOL,
+        "copy_bandwidth": bw,
+        "rows": rows,
+        "notes": notes,
+    }
+
+
+def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, options: dict, new_tokens: int,
+                warmup_tokens: int, seed: int, floor_ms: float, say) -> list[dict]:
+    from ..decode import generate, prefill
+
+    dev = lm.device
+    ids = torch.randint(3, len(lm.tokenizer) - 2, (1, seq), generator=torch.Generator().manual_seed(seed + seq))
+    _reset_peak(dev)
+    say(f"seq {seq}: dense prefill")
+    t0 = _now(dev)
+    pf = prefill(lm, ids)
+    prefill_s = _now(dev) - t0
+    prefill_peak = _peak_gb(dev)
+    rows = []
+    for name in names:
+        method_budget = None if name == "dense" else budget
+        opts = options_for(name, options)
+        say(f"seq {seq}: {name} (warm-up: compiles and graph capture)")
+        generate(lm, None, get_method(name, budget=method_budget or 1.0, **opts), warmup_tokens, stop_on_eos=False,
+                 prefilled=pf)
+        gc.collect()
+        _reset_peak(dev)
+        say(f"seq {seq}: {name}, {new_tokens} tokens")
+        method = get_method(name, budget=method_budget or 1.0, **opts)
+        t0 = _now(dev)
+        g = generate(lm, None, method, new_tokens, stop_on_eos=False, prefilled=pf)
+        seconds = _now(dev) - t0
+        ms = g.timing["steady_ms_per_step"]
+        rows.append({"seq": seq, "method": name, "budget": method_budget, "method_config": method.config(),
+                     "prefill_s": round(prefill_s, 4), "prefill_peak_gb": prefill_peak,
+                     "ms_per_token": round(ms, 4), "tokens_per_s": round(1e3 / ms, 2),
+                     "steps": g.timing["steady_steps"], "first_step_s": round(g.timing["first_step_s"], 4),
+                     "generate_s": round(seconds, 4),
+                     "floor_ms": round(floor_ms, 4), "of_floor": round(floor_ms / ms, 4),
+                     "peak_gb": _peak_gb(dev), "selectivity": g.stats.get("selectivity"),
+                     "decode_path": g.stats.get("decode_path")})
+        gc.collect()
+    del pf
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _speedups(rows: list[dict]) -> None:
+    dense = {r["seq"]: r["ms_per_token"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        d = dense.get(r["seq"])
+        r["speedup_vs_dense"] = round(d / r["ms_per_token"], 4) if d else None
+
+
+def _now(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+def _reset_peak(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def _peak_gb(dev: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
