@@ -33,7 +33,7 @@ from .cache import SparseCache
 from .errors import SparseKVError
 from .progress import Ticker
 from .methods import get_method
-from .models import LoadedModel
+from .models import LoadedModel, cache_kwarg
 from .patterns import FULL, AttentionPattern, model_patterns
 from .rope import find_rotary, rope_tables, unrotate
 
@@ -316,7 +316,7 @@ def _run_sequence(lm: LoadedModel, rotary, patterns: list[AttentionPattern], ids
     x = ids.view(1, -1).to(dev)
     pos = torch.arange(n, device=dev).unsqueeze(0)
     # A fresh context: the cache registers itself as the active one, and must not outlive this call there.
-    contextvars.copy_context().run(lambda: lm.model(input_ids=x, past_key_values=cache, position_ids=pos,
+    contextvars.copy_context().run(lambda: lm.model(input_ids=x, **cache_kwarg(lm.model, cache), position_ids=pos,
                                                     use_cache=True, logits_to_keep=1))
     cache.recorder = None
     return seen

@@ -117,9 +117,12 @@ class SparseLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape
         c = self.cache
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.zeros(B, H, c.max_len, D, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(B, H, c.max_len, value_states.shape[-1], dtype=value_states.dtype,
-                                  device=value_states.device)
+        if c.kv is not None:  # buffers given (a shared prefill's): decode in them
+            self.keys, self.values = c.kv[self.layer_idx]
+        else:
+            self.keys = torch.zeros(B, H, c.max_len, D, dtype=key_states.dtype, device=key_states.device)
+            self.values = torch.zeros(B, H, c.max_len, value_states.shape[-1], dtype=value_states.dtype,
+                                      device=value_states.device)
         shape = CacheShape(B, H, c.q_heads, D, c.max_len, key_states.dtype, key_states.device)
         if c.lengths is None:
             c.lengths = torch.zeros(B, dtype=torch.int32, device=key_states.device)
@@ -142,8 +145,11 @@ class SparseLayer(CacheLayerMixin):
         start = self.length
         if start + n > c.max_len:
             raise SparseKVError(f"KV cache is full: {start} + {n} tokens exceed its {c.max_len} slots (raise max_len)")
-        self.keys[:, :, start : start + n] = key_states
-        self.values[:, :, start : start + n] = value_states
+        dst_k, dst_v = self.keys[:, :, start : start + n], self.values[:, :, start : start + n]
+        if key_states.data_ptr() != dst_k.data_ptr():  # a shared prefill's keys are in place already
+            dst_k.copy_(key_states)
+        if value_states.data_ptr() != dst_v.data_ptr():
+            dst_v.copy_(value_states)
         self.length = self.state.length = start + n
         c.lengths.fill_(self.length)
         self._index(key_states, value_states, start)
@@ -177,12 +183,14 @@ class SparseCache(Cache):
 
     `dense_layers` are attended densely at every step (and not indexed); `rotary` (the model's rotary module) is
     needed only by methods that index pre-RoPE keys or queries; `patterns` (one per layer,
-    `patterns.model_patterns(model)`) say what each layer may attend: every key when not given.
+    `patterns.model_patterns(model)`) say what each layer may attend: every key when not given. `kv`: per layer
+    (keys, values) buffers [B, Hkv, max_len, D] to use instead of allocating them (a shared prefill's).
     """
 
     def __init__(self, method: Method, num_layers: int, q_heads: int, max_len: int,
                  dense_layers: tuple[int, ...] | list[int] = (), rotary: torch.nn.Module | None = None,
-                 patterns: list[AttentionPattern] | None = None):
+                 patterns: list[AttentionPattern] | None = None,
+                 kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         if max_len <= 0:
             raise SparseKVError(f"max_len must be positive, got {max_len}")
         bad = [i for i in dense_layers if not 0 <= i < num_layers]
@@ -193,6 +201,9 @@ class SparseCache(Cache):
         if patterns is not None and len(patterns) != num_layers:
             raise SparseKVError(f"{len(patterns)} attention patterns for {num_layers} layers")
         self.patterns = list(patterns) if patterns is not None else [FULL] * num_layers
+        if kv is not None and (len(kv) != num_layers or any(k.shape[2] != max_len for k, _ in kv)):
+            raise SparseKVError(f"given K/V buffers must be {num_layers} layers of {max_len} slots")
+        self.kv = kv
         self.method, self.q_heads, self.max_len = method, q_heads, max_len
         self.lengths: torch.Tensor | None = None  # [B] int32 on the device: valid keys per row (all layers alike)
         self.slots: torch.Tensor | None = None  # [B] int32 on the device: where a decode step writes (lengths - 1)

@@ -16,7 +16,7 @@ import torch
 from .cache import SparseCache
 from .errors import SparseKVError
 from .methods.base import Method
-from .models import LoadedModel
+from .models import LoadedModel, cache_kwarg
 from .rope import find_rotary
 from .step import make_step
 
@@ -34,19 +34,41 @@ class Generation:
 @dataclass
 class Prefill:
     """A dense prefill, kept so several methods can decode from it without paying for it again (prefill is
-    dense whatever the method, so the K/V are identical; each method indexes them on `load`)."""
+    dense whatever the method, so the K/V are identical; each method indexes them when it loads them).
+
+    Its K/V buffers have `room` slots past the prompt: a generation of up to `room` tokens decodes in them, with no
+    copy of the prompt's K/V (each writes only past the prompt, so the next method finds the prompt intact)."""
 
     ids: torch.Tensor  # [1, n]
-    keys: list[torch.Tensor]  # per layer [1, Hkv, n, D]
-    values: list[torch.Tensor]
+    key_buffers: list[torch.Tensor]  # per layer [1, Hkv, n + room, D]; the first n hold the prompt's keys
+    value_buffers: list[torch.Tensor]
     logits: torch.Tensor  # [1, vocab] at the last prompt position
 
+    @property
+    def room(self) -> int:
+        return self.key_buffers[0].shape[2] - self.ids.shape[1]
 
-def make_cache(lm: LoadedModel, method: Method, max_len: int, dense_layers=()) -> SparseCache:
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer [1, Hkv, n, D]: the prompt's keys."""
+        return [k[:, :, : self.ids.shape[1]] for k in self.key_buffers]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [v[:, :, : self.ids.shape[1]] for v in self.value_buffers]
+
+
+def make_cache(lm: LoadedModel, method: Method, max_len: int, dense_layers=(),
+               prefilled: Prefill | None = None) -> SparseCache:
+    """A cache for `method`; with `prefilled` whose buffers hold max_len slots, it decodes in them (no copy)."""
     rotary = find_rotary(lm.model) if method.needs_pre_rope else None
     method.bind(lm)
+    kv = None
+    if prefilled is not None and prefilled.key_buffers[0].shape[2] >= max_len:
+        kv = list(zip(prefilled.key_buffers, prefilled.value_buffers))
+        max_len = prefilled.key_buffers[0].shape[2]
     return SparseCache(method, lm.num_layers, lm.q_heads, max_len, dense_layers=dense_layers, rotary=rotary,
-                       patterns=lm.patterns)
+                       patterns=lm.patterns, kv=kv)
 
 
 def _prompt(lm: LoadedModel, input_ids, max_new_tokens: int) -> torch.Tensor:
@@ -65,22 +87,21 @@ def _run_prefill(lm: LoadedModel, ids: torch.Tensor, cache: SparseCache, chunk: 
     for s in range(0, n, chunk):
         part = ids[:, s : s + chunk]
         pos = torch.arange(s, s + part.shape[1], device=ids.device).unsqueeze(0)
-        logits = lm.model(input_ids=part, past_key_values=cache, position_ids=pos, use_cache=True,
+        logits = lm.model(input_ids=part, **cache_kwarg(lm.model, cache), position_ids=pos, use_cache=True,
                           logits_to_keep=1).logits[:, -1]
     return logits
 
 
 @torch.no_grad()
-def prefill(lm: LoadedModel, input_ids, prefill_chunk: int | None = None) -> Prefill:
-    """Dense prefill of a prompt, reusable by `generate(..., prefilled=...)` for any number of methods."""
+def prefill(lm: LoadedModel, input_ids, prefill_chunk: int | None = None, room: int = 0) -> Prefill:
+    """Dense prefill of a prompt, reusable by `generate(..., prefilled=...)` for any number of methods; `room`: the
+    tokens a generation from it may add without copying the prompt's K/V (Prefill)."""
     from .methods import get_method
 
-    ids = _prompt(lm, input_ids, 0)
-    cache = make_cache(lm, get_method("dense"), ids.shape[1])
+    ids = _prompt(lm, input_ids, room)
+    cache = make_cache(lm, get_method("dense"), ids.shape[1] + room)
     logits = _run_prefill(lm, ids, cache, prefill_chunk)
-    n = ids.shape[1]
-    return Prefill(ids, [layer.keys[:, :, :n] for layer in cache.layers],
-                   [layer.values[:, :, :n] for layer in cache.layers], logits)
+    return Prefill(ids, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], logits)
 
 
 def _load_prefill(cache: SparseCache, prefilled: Prefill) -> torch.Tensor:
@@ -98,7 +119,7 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
     """Greedy decode `max_new_tokens` after a dense prefill of `input_ids` (batch 1), or from `prefilled`."""
     ids = _prompt(lm, prefilled.ids if prefilled is not None else input_ids, max_new_tokens)
     n = ids.shape[1]
-    cache = make_cache(lm, method, n + max_new_tokens, dense_layers)
+    cache = make_cache(lm, method, n + max_new_tokens, dense_layers, prefilled)
     if prefilled is None:
         logits = _run_prefill(lm, ids, cache, prefill_chunk)
     else:
@@ -158,7 +179,7 @@ def score_continuation(lm: LoadedModel, method: Method, prefilled: Prefill, targ
         raise SparseKVError("no target tokens to score")
     ids = _prompt(lm, prefilled.ids, T - 1)  # the last target is never fed: T - 1 positions after the prompt
     n = ids.shape[1]
-    cache = make_cache(lm, method, n + T - 1 if T > 1 else n, dense_layers)
+    cache = make_cache(lm, method, n + T - 1 if T > 1 else n, dense_layers, prefilled)
     logits = _load_prefill(cache, prefilled)
     cache.fix_budget()
     nll = torch.zeros((), dtype=torch.float64, device=ids.device)  # summed on the device: no sync per step

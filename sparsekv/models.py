@@ -5,6 +5,7 @@ a local HF folder or hub id, or a .gguf file. Every model comes back wired to th
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -86,6 +87,12 @@ class LoadedModel:
             "rope": repr(sorted(rope.items())),
             "weights_sha256": weights_hash(self.model),
         }
+
+
+def cache_kwarg(model: torch.nn.Module, cache) -> dict:
+    """The keyword a model's forward takes its cache by: `cache` (transformers >= 5.24; `past_key_values` is deprecated
+    there and warns on every call), else `past_key_values`."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def weights_hash(model: torch.nn.Module, sample: int = 1 << 16) -> str:

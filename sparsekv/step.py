@@ -34,7 +34,7 @@ from . import ops
 from .attention import decode_attention
 from .cache import SparseCache
 from .errors import SparseKVError
-from .models import LoadedModel
+from .models import LoadedModel, cache_kwarg
 from .patterns import FAMILIES
 
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]  # (token ids [1, 1], position) -> logits [1, vocab]
@@ -213,11 +213,12 @@ class StepGraph:
 
 
 def _eager_step(lm: LoadedModel, cache: SparseCache) -> StepFn:
+    given = cache_kwarg(lm.model, cache)
+
     def step(token: torch.Tensor, pos: int) -> torch.Tensor:
         cache.begin_step(pos)
         p = torch.tensor([[pos]], device=token.device)
-        return lm.model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=p,
-                        use_cache=True).logits[:, -1]
+        return lm.model(input_ids=token.view(1, 1), **given, position_ids=p, use_cache=True).logits[:, -1]
 
     return step
 

@@ -85,3 +85,41 @@ def test_cache_overflow_and_bad_dense_layer_are_clear_errors(tiny, prompt_ids):
     cache = SparseCache(get_method("dense"), tiny.num_layers, tiny.q_heads, 10)
     with pytest.raises(SparseKVError, match="cache is full"):
         tiny.model(input_ids=prompt_ids[:, :20], past_key_values=cache)
+
+
+def test_the_cache_goes_by_the_name_transformers_takes(tiny, prompt_ids):
+    """transformers 5.24 renamed `past_key_values` to `cache` and warns on every call with the old name."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(tiny, prompt_ids, get_method("oracle", budget=16), 3, stop_on_eos=False)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_a_shared_prefill_is_decoded_in_place(tiny, prompt_ids, monkeypatch):
+    """A prefill with room for the generation lends its K/V buffers to every method's cache (no copy of the
+    prompt's K/V), and each method decodes exactly as from its own prefill: the previous method's tokens past the
+    prompt are never read."""
+    import sparsekv.decode as decode
+
+    pf = decode.prefill(tiny, prompt_ids, room=6)
+    seen = []
+    make = decode.make_cache
+
+    def spy(*args, **kw):
+        cache = make(*args, **kw)
+        seen.append(cache)
+        return cache
+
+    monkeypatch.setattr(decode, "make_cache", spy)
+    for name, opts in [("oracle", {"budget": 24}), ("quest", {"budget": 32}), ("dense", {})]:
+        shared = generate(tiny, None, get_method(name, **opts), 6, stop_on_eos=False, keep_logits=True, prefilled=pf)
+        assert seen[-1].kv is not None and seen[-1].kv[0][0].data_ptr() == pf.key_buffers[0].data_ptr()
+        alone = generate(tiny, prompt_ids, get_method(name, **opts), 6, stop_on_eos=False, keep_logits=True)
+        assert seen[-1].kv is None
+        assert shared.tokens == alone.tokens
+        for a, b in zip(shared.logits, alone.logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    longer = generate(tiny, None, get_method("dense"), 9, stop_on_eos=False, prefilled=pf)  # no room: copies
+    assert seen[-1].kv is None and len(longer.tokens) == 9

@@ -85,6 +85,20 @@ def test_static_step_through_the_kernels(tiny, prompt_ids, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_regime_changes_once_the_context_outgrows_the_budget(tiny, prompt_ids):
+    """What a captured step holds fixed: per layer that runs the method, whether its budget is below what it sees."""
+    cache = decode.make_cache(tiny, get_method("oracle", budget=210), 220, dense_layers=(1,))
+    decode._load_prefill(cache, decode.prefill(tiny, prompt_ids))  # 200 keys
+    assert cache.regime() == (False,)  # one layer runs the method; 200 keys fit the budget
+    cache.begin_step(209)
+    assert cache.regime() == (False,)  # 210 keys: still every one
+    cache.begin_step(210)
+    assert cache.regime() == (True,)
+    dense = decode.make_cache(tiny, get_method("dense"), 220)
+    decode._load_prefill(dense, decode.prefill(tiny, prompt_ids))
+    assert dense.regime() == ()
+
+
 def _tiny_qwen3() -> LoadedModel:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -186,3 +200,27 @@ def test_length_dependent_rope_keeps_the_transformers_step():
                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     lm = LoadedModel(LlamaForCausalLM(cfg), byte_tokenizer(), "tiny-dynamic-rope", "in-memory")
     assert "recomputes its tables" in split_supported(lm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory")
+def test_generation_from_a_shared_prefill_adds_no_kv_copy_on_gpu():
+    """Peak memory of a generation from a prefill with room: its method state and the step's temporaries, not a
+    second copy of the prompt's K/V."""
+    import dataclasses
+
+    from sparsekv.bench.e2e import random_model
+    from sparsekv.bench.shapes import SHAPES
+    from sparsekv.decode import prefill
+
+    lm = random_model(dataclasses.replace(SHAPES["llama3-8b"], layers=2), torch.bfloat16, torch.device("cuda"))
+    ids = torch.randint(3, 250, (1, 65536), generator=torch.Generator().manual_seed(0))
+    pf = prefill(lm, ids, room=16)
+    kv = sum(k.numel() * k.element_size() * 2 for k in pf.key_buffers)
+    for name, opts in [("dense", {}), ("oracle", {"budget": 2048})]:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        generate(lm, None, get_method(name, **opts), 16, stop_on_eos=False, prefilled=pf)
+        grew = torch.cuda.max_memory_allocated() - before
+        assert grew < kv / 2, (name, grew, kv)
+        assert torch.cuda.memory_allocated() - before < 64 << 20  # the generation's cache is freed when it ends

@@ -131,7 +131,7 @@ def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, opti
     _reset_peak(dev)
     say(f"seq {seq}: dense prefill")
     t0 = _now(dev)
-    pf = prefill(lm, ids)
+    pf = prefill(lm, ids, room=max(new_tokens, warmup_tokens))
     prefill_s = _now(dev) - t0
     prefill_peak = _peak_gb(dev)
     rows = []

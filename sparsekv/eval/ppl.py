@@ -77,7 +77,7 @@ def ppl_grid(lm: LoadedModel, specs: list[RunSpec], token_ids: list[int] | torch
     for w in range(n):
         window = ids[w * seq_len : (w + 1) * seq_len]
         t0 = time.perf_counter()
-        pf = dense_prefill(lm, window[:prefill])
+        pf = dense_prefill(lm, window[:prefill], room=len(window) - prefill)
         shared = (time.perf_counter() - t0) / len(specs)  # prefill time, split evenly over the cells
         for i, method in enumerate(methods):
             t1 = time.perf_counter()

@@ -122,7 +122,7 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
 
     for s in samples:
         t0 = time.perf_counter()
-        pf = prefill(lm, s.ids)
+        pf = prefill(lm, s.ids, room=s.max_new_tokens)
         shared = (time.perf_counter() - t0) / len(specs)  # prefill time, split evenly over the cells
         for i, method in enumerate(methods):
             t1 = time.perf_counter()
