@@ -130,7 +130,7 @@ class SparseLayer(CacheLayerMixin):
         self.state = c.method.new_state(self.layer_idx, shape)
         self.state.keys, self.state.values, self.state.length = self.keys, self.values, 0
         self.state.pattern = c.pattern(self.layer_idx)
-        self.state.lengths = c.lengths
+        self.state.lengths, self.state.extent = c.lengths, c.extent
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -208,6 +208,7 @@ class SparseCache(Cache):
         self.lengths: torch.Tensor | None = None  # [B] int32 on the device: valid keys per row (all layers alike)
         self.slots: torch.Tensor | None = None  # [B] int32 on the device: where a decode step writes (lengths - 1)
         self.step_pos: int | None = None  # set by begin_step: the position the next one-token updates write
+        self.extent: int | None = None  # set_extent
         self.dense_layers = frozenset(dense_layers)
         self.rotary = rotary
         self.stats = DecodeStats()
@@ -259,7 +260,9 @@ class SparseCache(Cache):
 
     def set_extent(self, extent: int | None) -> None:
         """Size every layer's selection region to `extent` cache slots (a step about to be captured as a CUDA graph,
-        replayed at lengths up to it), or back to each step's exact length (None)."""
+        replayed at lengths up to it), or back to each step's exact length (None). Layers initialised later take it
+        too."""
+        self.extent = extent
         for layer in self.layers:
             if layer.is_initialized:
                 layer.state.extent = extent
