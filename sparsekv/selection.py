@@ -6,10 +6,10 @@ methods choose only among positions [start + sink, length - window), so the kern
 de-duplication. `start` is 0 unless the layer attends a sliding window (`span`: the last `span` keys): then every
 part, the dense one included, lies in the window (sparsekv/patterns.py).
 
-Graph-replayed decode steps (DESIGN.md, "Graph-capturable decode") read lengths from the device: a selection then
-carries `lengths` (valid keys per batch row, on the device) and `extent` (the cache slots its kernels' grids are
-sized to), and the sparse part is chosen over a region that holds for every length the graph is replayed at, with
-the positions outside the step's own region masked out on the device (`BudgetSplit.keep`).
+Graph-replayed decode steps (sparsekv/step.py; the rules: sparsekv/methods/base.py) read lengths from the device:
+a selection then carries `lengths` (valid keys per batch row, on the device) and `extent` (the cache slots its
+kernels' grids are sized to), and the sparse part is chosen over a region that holds for every length the graph is
+replayed at, with the positions outside the step's own region masked out on the device (`BudgetSplit.keep`).
 """
 
 from __future__ import annotations
