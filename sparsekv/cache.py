@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import ops
 from .errors import SparseKVError
 from .methods.base import CacheShape, LayerState, Method
-from .patterns import FULL, AttentionPattern
+from .patterns import FULL, AttentionPattern, window_start
 from .rope import rope_tables, unrotate
 
 _ACTIVE: contextvars.ContextVar["SparseCache | None"] = contextvars.ContextVar("sparsekv_cache", default=None)
@@ -73,7 +73,7 @@ class DecodeStats:
             self.add(entry, sel.length)
 
     def add(self, e: StepEntry, length: int) -> None:
-        visible = min(length, e.span) if e.span else length
+        visible = length - window_start(length, e.span)
         self.steps += 1
         self.available += visible
         self.selected += visible if e.dense else e.selected

@@ -33,10 +33,18 @@ class AttentionPattern:
 
     def start(self, length: int) -> int:
         """First key position the newest of `length` keys may attend."""
-        return max(0, length - self.span) if self.span else 0
+        return window_start(length, self.span)
 
     def describe(self) -> dict:
         return {"span": self.span or None, "softcap": self.softcap, "scaling": self.scaling, "rope": self.rope}
+
+
+def window_start(length, span: int):
+    """First key position the newest of `length` keys may attend under a sliding window of `span` keys (0: every
+    key): for a host int, or elementwise for a device tensor of per-row lengths."""
+    if not span:
+        return 0
+    return (length - span).clamp(min=0) if isinstance(length, torch.Tensor) else max(0, length - span)
 
 
 FULL = AttentionPattern()

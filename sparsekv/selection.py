@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .errors import SparseKVError
+from .patterns import window_start
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Selection:
     @property
     def start(self) -> int:
         """First position the layer may attend at this step."""
-        return max(0, self.length - self.span) if self.span else 0
+        return window_start(self.length, self.span)
 
     @property
     def visible(self) -> int:
@@ -95,8 +96,7 @@ class Selection:
             lo, hi = self.start + self.sink, self.length - self.window  # blocks are clipped to the sparse region
             if self.lengths is not None:  # each row's own region, read on the device
                 L = self.lengths.view(-1, 1, 1, 1).long()
-                lo = ((L - self.span).clamp(min=0) if self.span else 0) + self.sink
-                hi = L - self.window
+                lo, hi = window_start(L, self.span) + self.sink, L - self.window
             pos = torch.where((self.blocks.unsqueeze(-1) >= 0) & (pos >= lo) & (pos < hi), pos, -1)
             return pos.flatten(-2)
         if self.buckets is not None:
@@ -153,7 +153,7 @@ class BudgetSplit:
 
     @property
     def start(self) -> int:
-        return max(0, self.length - self.span) if self.span else 0
+        return window_start(self.length, self.span)
 
     @property
     def lo(self) -> int:
@@ -165,15 +165,20 @@ class BudgetSplit:
         """... and one past its last."""
         return (self.extent if self.extent is not None else self.length) - self.window
 
+    def row_lengths(self, device: torch.device) -> torch.Tensor:
+        """[B, 1, 1] int64 on the device: each row's keys (the device lengths, else the host length)."""
+        if self.lengths is not None:
+            return self.lengths.view(-1, 1, 1).long()
+        return torch.full((1, 1, 1), self.length, device=device)
+
     def keep(self) -> torch.Tensor | None:
         """bool [B, 1, hi - lo]: which positions of [lo, hi) this step may choose (per batch row, from the device
         lengths), or None when the region is exact."""
         if self.extent is None:
             return None
         pos = torch.arange(self.lo, self.hi, device=self.lengths.device).view(1, 1, -1)
-        L = self.lengths.view(-1, 1, 1).long()
-        lo = ((L - self.span).clamp(min=0) if self.span else 0) + self.sink
-        return (pos >= lo) & (pos < L - self.window)
+        L = self.row_lengths(pos.device)
+        return (pos >= window_start(L, self.span) + self.sink) & (pos < L - self.window)
 
     def masked(self, scores: torch.Tensor, worst: float | int) -> torch.Tensor:
         """`scores` [B, H, hi - lo] with the positions this step may not choose set to `worst`."""
@@ -198,7 +203,7 @@ def split_budget(budget: float, sink: int, window: int, length: int, span: int =
     step: all `length`, or its last `span`. A fractional budget is a fraction of `context` (fixed for a generation)
     or else of those. `lengths`/`extent`: a graph-replayed step's device lengths and the slots its graph covers
     (BudgetSplit)."""
-    visible = min(length, span) if span else length
+    visible = length - window_start(length, span)
     b = resolve_budget(budget, context or visible)
     where = dict(length=length, span=span, lengths=lengths, extent=extent)
     if b >= visible:

@@ -44,6 +44,7 @@ import torch
 from sparsekv.kernels.reference import quest_scores_reference
 
 from ..errors import SparseKVError
+from ..patterns import window_start
 from ..selection import BudgetSplit, Selection, topk
 from ..sparse_attention import use_kernels
 from .base import CacheShape, LayerState, Method, register
@@ -133,40 +134,32 @@ class Quest(Method):
             return state.selection(sink=sink, window=b - sink)
         split = BudgetSplit(sink, window, k, False, n, state.pattern.span, state.lengths, state.extent)
         p_lo, p_hi = split.lo // S, -(-split.hi // S)  # pages overlapping [lo, hi): the kernel clips them to it
+        L = split.row_lengths(state.bounds.device)  # [B, 1, 1]
+        last = (L - 1) // S  # each row's newest key's page
         blocks = []
         if k > 0 and p_hi > p_lo:
             scores = self.page_scores(state, q, p_lo, p_hi)
-            ok = self._choosable(state, split, p_lo, p_hi)  # [B, 1, pages]
+            ok = self._choosable(split, L, last, p_lo, p_hi)  # [B, 1, pages]
             scores = scores.masked_fill(~ok, float("-inf"))
             pick = topk(scores, min(k, p_hi - p_lo))
             chosen = torch.gather(scores, 2, pick) > float("-inf")  # fewer choosable pages than k: pad
             blocks.append(torch.where(chosen, pick + p_lo, -1))
         if self.auto_window:  # the page of the newest key, always attended (the authors' "last page")
             H = blocks[0].shape[1] if blocks else (q.shape[1] if self.pooling == "head" else state.bounds.shape[1])
-            blocks.append(self._last_page(state).view(-1, 1, 1).expand(q.shape[0], H, 1))
+            blocks.append(last.expand(q.shape[0], H, 1))
         if not blocks:
             return state.selection(sink=sink, window=window)
         return state.selection(sink=sink, window=window, blocks=torch.cat(blocks, dim=-1), block_size=S)
 
-    def _last_page(self, state: QuestState) -> torch.Tensor:
-        """[B] the page of each row's newest key, on the device."""
-        if state.lengths is not None:
-            return (state.lengths.long() - 1) // self.page_size
-        return torch.full((1,), (state.length - 1) // self.page_size, device=state.bounds.device)
-
-    def _choosable(self, state: QuestState, split: BudgetSplit, p_lo: int, p_hi: int) -> torch.Tensor:
-        """bool [B, 1, p_hi - p_lo]: pages overlapping this step's region [lo, hi), the newest key's page left out
-        when it is attended anyway (auto window)."""
+    def _choosable(self, split: BudgetSplit, L: torch.Tensor, last: torch.Tensor, p_lo: int,
+                   p_hi: int) -> torch.Tensor:
+        """bool [B, 1, p_hi - p_lo]: pages overlapping this step's region [lo, hi) of rows of L keys [B, 1, 1], the
+        newest key's page (`last`) left out when it is attended anyway (auto window)."""
         S = self.page_size
-        page = torch.arange(p_lo, p_hi, device=state.bounds.device).view(1, 1, -1)
-        if state.lengths is not None:
-            L = state.lengths.view(-1, 1, 1).long()
-        else:
-            L = torch.full((1, 1, 1), state.length, device=page.device)
-        lo = ((L - split.span).clamp(min=0) if split.span else 0) + split.sink
-        ok = ((page + 1) * S > lo) & (page * S < L - split.window)
+        page = torch.arange(p_lo, p_hi, device=L.device).view(1, 1, -1)
+        ok = ((page + 1) * S > window_start(L, split.span) + split.sink) & (page * S < L - split.window)
         if self.auto_window:
-            ok &= page != (L - 1) // S
+            ok &= page != last
         return ok
 
     def page_scores(self, state: QuestState, q: torch.Tensor, p_lo: int, p_hi: int) -> torch.Tensor:
