@@ -5,7 +5,7 @@ Why: the oracle ranks a group's keys by the sum of its query heads' softmax prob
 about eight passes over [B, Hq, n] fp32 (scale, mask, max, exp, sum, divide, sum over the group), ~16 MB each at
 131072 keys x 32 heads; two fused passes read the logits twice and write the pooled scores once. The log keeps the
 ranking and keeps far-off keys apart: in fp32 most of a peaked softmax underflows to exactly 0, and a row of tied
-zeros sent the top-k to its slow path (209 µs instead of ~20 per layer on the H200).
+zeros sends the top-k down its slow, tie-heavy path.
 
 Reference: `reference.py::pooled_log_probs_reference` (same signature).
 """

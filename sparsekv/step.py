@@ -2,11 +2,12 @@
 graph, replayed for every token.
 
 Why: a decode step is bound by the CPU when it is launched from Python. SmolLM2 (30 layers) launches ~925 kernels per
-token from eager transformers code, ~45 ms of CPU for ~2.3 ms of GPU work on the H100 machine; with Llama-3-8B's shape
-at 131072 tokens a query-aware method's select and attention, eager, cost more than the keys they save. So the whole
-step - embedding, every layer's norms, projections, RoPE, K/V write, the method's index update and select, the
-sparse attention, the MLP, the head - is captured once per cache and regime and replayed (vLLM, SGLang and
-FlashInfer decode the same way). The rules that make a method capturable are in sparsekv/methods/base.py: lengths
+token from eager transformers code, ~45 ms of CPU for ~2.3 ms of GPU work on the H100 machine
+(results/decode-token-cost-h100.json); with Llama-3-8B's shape at long context a query-aware method's select and
+attention, launched eagerly, cost more than the keys they save (benchmarks/BENCHMARKS.md has the graph-replayed
+speeds). So the whole step - embedding, every layer's norms, projections, RoPE, K/V write, the method's index
+update and select, the sparse attention, the MLP, the head - is captured once per cache and regime and replayed
+(vLLM, SGLang and FlashInfer decode the same way). The rules that make a method capturable are in sparsekv/methods/base.py: lengths
 and write slots live on the device (`SparseCache.begin_step`), selection regions are sized to the cache
 (`SparseCache.set_extent`) and masked on the device, nothing reads a value back to the host.
 
@@ -75,7 +76,7 @@ class SplitForward:
         self.base = lm.model.model
         self.layers = list(self.base.layers)
         # one matrix-vector product for q, k and v, one for gate and up: fewer, larger GEMVs read the weights
-        # closer to copy bandwidth (cuBLAS took 5.2 µs for each 8 MB k/v product of Llama-3-8B on the H200)
+        # closer to copy bandwidth (the small k and v products alone are far from it)
         self.qkv_w = [_joined(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
         self.gate_up_w = [_joined(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
 
