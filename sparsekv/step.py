@@ -7,9 +7,9 @@ token from eager transformers code, ~45 ms of CPU for ~2.3 ms of GPU work on the
 attention, launched eagerly, cost more than the keys they save (benchmarks/BENCHMARKS.md has the graph-replayed
 speeds). So the whole step - embedding, every layer's norms, projections, RoPE, K/V write, the method's index
 update and select, the sparse attention, the MLP, the head - is captured once per cache and regime and replayed
-(vLLM, SGLang and FlashInfer decode the same way). The rules that make a method capturable are in sparsekv/methods/base.py: lengths
-and write slots live on the device (`SparseCache.begin_step`), selection regions are sized to the cache
-(`SparseCache.set_extent`) and masked on the device, nothing reads a value back to the host.
+(vLLM, SGLang and FlashInfer decode the same way). The rules that make a method capturable are in
+sparsekv/methods/base.py: lengths and write slots live on the device (`SparseCache.begin_step`), selection regions
+are sized to the cache (`SparseCache.set_extent`) and masked on the device, nothing reads a value back to the host.
 
 A graph holds what the host decided when it was captured: for each layer whether its budget is below what it sees
 (`SparseCache.regime`). That changes at most once per layer in a generation, when the context outgrows the budget;
