@@ -161,7 +161,7 @@ def load_activations(path: str | Path, lm: LoadedModel | None = None, *, verify:
     weights hash); otherwise one line names what differs. Cheap: files are checked for presence and size here,
     and each is hashed (if `verify`) the first time it is loaded."""
     path = Path(path)
-    manifest = artifacts._read_manifest(path)
+    manifest = artifacts.read_manifest(path)
     if manifest.get("kind") != KIND or manifest.get("method") != METHOD:
         raise ArtifactError(f"{path} is not an activations dump (kind {manifest.get('kind')!r}, "
                             f"method {manifest.get('method')!r}): make one with `sparsekv dump`")

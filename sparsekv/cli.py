@@ -650,28 +650,42 @@ def bench(
 @artifacts_app.command("list")
 def artifacts_list(root: Annotated[Path, typer.Argument(help="artifact root")] = Path("artifacts"),
                    json_out: Annotated[Optional[Path], typer.Option("--json")] = None):
-    """List every artifact version under ROOT."""
-    from .artifacts import list_artifacts
+    """List every artifact version under ROOT, each checked as `verify` does; exit 1 if any is not ok. Temporary
+    folders left by interrupted writes are removed (one line says which)."""
+    from rich.text import Text
 
+    from .artifacts import ArtifactError, list_artifacts, remove_stale_temps_under
+
+    if not root.is_dir():
+        raise ArtifactError(f"no artifact store at {root}: not a folder")
+    removed = remove_stale_temps_under(root)
+    if removed:
+        console.print(f"removed {len(removed)} temporary folder(s) left by interrupted writes: "
+                      + ", ".join(str(p) for p in removed), markup=False, highlight=False, soft_wrap=True)
     rows = list_artifacts(root)
     t = Table(title=f"artifacts under {root}")
     for col in ("model", "method", "version", "kind", "created", "MB", "files", "ok"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["model"], r["method"], r["version"], str(r.get("kind", "")), str(r.get("created", "")),
-                  f"{r['bytes'] / 1e6:.1f}", str(r["files"]), "yes" if r["ok"] else f"no: {r.get('error')}")
-    console.print(t if rows else f"no artifacts under {root}")
+        t.add_row(*(Text(str(x)) for x in (r["model"], r["method"], r["version"], r["kind"] or "",
+                                            r["created"] or "", f"{r['bytes'] / 1e6:.1f}", r["files"])),
+                  Text("yes") if r["ok"] else Text("no", style="red"))
+    console.print(t if rows else Text(f"no artifacts under {root}"))
+    for r in rows:  # why not ok, one line per problem (as `verify` prints them)
+        for problem in r["problems"]:
+            console.print(problem if r["path"] in problem else f"{r['path']}: {problem}", style="red",
+                          markup=False, highlight=False, soft_wrap=True)
     _write_json(json_out, rows)
+    if any(not r["ok"] for r in rows):
+        raise typer.Exit(1)
 
 
 @artifacts_app.command("show")
 def artifacts_show(path: Annotated[Path, typer.Argument(help="an artifact version folder")]):
-    """Print an artifact's manifest."""
-    from .artifacts import MANIFEST, ArtifactError
+    """Print an artifact's manifest (as it is: `verify` checks it)."""
+    from .artifacts import MANIFEST, ArtifactError, manifest_path
 
-    mf = path / MANIFEST
-    if not mf.is_file():
-        raise ArtifactError(f"no artifact at {path}: {MANIFEST} missing")
+    mf = manifest_path(path)  # a missing manifest or a link: one line, exit 2
     try:
         console.print_json(mf.read_text())
     except json.JSONDecodeError as e:
@@ -680,15 +694,32 @@ def artifacts_show(path: Annotated[Path, typer.Argument(help="an artifact versio
 
 @artifacts_app.command("verify")
 def artifacts_verify(path: Annotated[Path, typer.Argument(help="an artifact version folder")]):
-    """Check an artifact's schema, files and sha256 hashes; exit 1 if anything is wrong."""
-    from .artifacts import verify_artifact
+    """Check an artifact: its manifest (schema, digest, file names inside the folder, no links) and every file's
+    size, sha256 and header. Exit 0 if ok, 1 if a check found problems (one line each), 2 if PATH holds no
+    artifact."""
+    import os
 
+    from .artifacts import MANIFEST, ArtifactError, verify_artifact
+
+    if not path.is_symlink() and not os.path.lexists(path / MANIFEST):
+        raise ArtifactError(f"no artifact at {path}: {MANIFEST} missing")
     problems = verify_artifact(path)
     if problems:
         for p in problems:
-            err_console.print(f"[red]{p}[/red]")
+            err_console.print(p, style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
-    console.print(f"{path}: ok")
+    console.print(f"{path}: ok", markup=False, highlight=False, soft_wrap=True)
+
+
+@artifacts_app.command("upgrade")
+def artifacts_upgrade(path: Annotated[Path, typer.Argument(help="an artifact version folder")]):
+    """Give an artifact written before manifest digests (schema_version 1) the current schema, after checking
+    every file's sha256. This vouches for its manifest as it is: upgrade only artifacts you trust."""
+    from .artifacts import SCHEMA_VERSION, upgrade_artifact
+
+    upgrade_artifact(path)
+    console.print(f"{path}: upgraded to schema_version {SCHEMA_VERSION}", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 def main() -> None:

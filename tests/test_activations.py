@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from sparsekv import artifacts
 from sparsekv.activations import dump_activations, load_activations, split_sequences, text_tokens
 from sparsekv.artifacts import ArtifactError
 from sparsekv.errors import SparseKVError
@@ -164,7 +165,11 @@ def test_corrupted_layer_is_caught(lm, tokens, tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["method"] = "adamas"
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="not an activations dump"):
+    with pytest.raises(ArtifactError, match="edited manifest"):
+        load_activations(path)
+    manifest[artifacts.DIGEST] = artifacts.manifest_digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="not an activations dump"):  # a consistent one of another kind too
         load_activations(path)
 
 

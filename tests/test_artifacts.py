@@ -1,13 +1,17 @@
 """The artifact store: round trip, versioning, atomic writes, and the one-line errors for bad artifacts."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from sparsekv import artifacts
-from sparsekv.artifacts import (SCHEMA_VERSION, ArtifactError, list_artifacts, load_artifact, save_artifact,
-                                slugify, verify_artifact)
+from sparsekv.artifacts import (SCHEMA_VERSION, ArtifactError, list_artifacts, load_artifact, manifest_digest,
+                                remove_stale_temps_under, save_artifact, slugify, upgrade_artifact, verify_artifact)
 
 FP = {"name": "HuggingFaceTB/SmolLM2-135M", "num_layers": 2, "q_heads": 4, "kv_heads": 2, "head_dim": 8,
       "rope": "[('rope_theta', 10000.0)]", "weights_sha256": "ab" * 32}
@@ -27,6 +31,17 @@ def _save(root, **kw):
                 data={"source": "wikitext", "tokens": 4096, "seed": 0})
     args.update(kw)
     return save_artifact(root, **args)
+
+
+def _manifest(p):
+    return json.loads((p / "manifest.json").read_text())
+
+
+def _rewrite(p, m):
+    """Write a crafted manifest with a *valid* digest, so the check under test is the only one that can refuse it."""
+    m = dict(m)
+    m["manifest_sha256"] = manifest_digest(m)
+    (p / "manifest.json").write_text(json.dumps(m))
 
 
 def _flip_middle(path):
@@ -129,7 +144,7 @@ def test_truncated_and_garbage_files(tmp_path):
     m = json.loads((p / "manifest.json").read_text())
     f.write_bytes(b"\x00garbage" * 10)
     m["files"][f.name] = {"sha256": artifacts._sha256(f), "bytes": f.stat().st_size}
-    (p / "manifest.json").write_text(json.dumps(m))
+    _rewrite(p, m)
     with pytest.raises(ArtifactError, match=r"corrupted: layer_000\.safetensors cannot be read"):
         load_artifact(p)
     assert any("layer_000.safetensors cannot be read" in s for s in verify_artifact(p))
@@ -195,7 +210,7 @@ def test_list_artifacts(tmp_path):
     assert [(r["method"], r["version"]) for r in rows] == [("adamas", "v1"), ("adamas", "v2"), ("spotlight", "v1")]
     assert [r["path"] for r in rows] == [str(a), str(b), str(c)]
     assert [r["ok"] for r in rows] == [True, False, True]
-    assert "unreadable" in rows[1]["error"]
+    assert "unreadable" in rows[1]["error"] and rows[1]["problems"] == [rows[1]["error"]]
     r = rows[0]
     assert r["model"] == "huggingfacetb--smollm2-135m" and r["files"] == 3 and r["created"]
     assert r["bytes"] == sum(f.stat().st_size for f in a.iterdir())
@@ -223,3 +238,230 @@ def test_fingerprint_is_the_same_for_fp32_and_bf16_loads():
     with torch.no_grad():
         b.model.model.layers[0].mlp.down_proj.weight[0, 0] += 0.5  # a fine-tune changes it
     assert b.fingerprint()["weights_sha256"] != a.fingerprint()["weights_sha256"]
+
+
+# -- a version folder is self-contained and its manifest cannot be edited ------------------------------------------
+
+def _outside_copy(p, tmp_path, name="layer_000.safetensors"):
+    """A valid tensor file outside the store with the same bytes (so its recorded size and sha256 match)."""
+    out = tmp_path / "outside"
+    out.mkdir(exist_ok=True)
+    (out / name).write_bytes((p / name).read_bytes())
+    return out / name
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "separator"])
+def test_manifest_names_outside_the_folder_are_refused(tmp_path, kind):
+    p = _save(tmp_path / "store")
+    outside = _outside_copy(p, tmp_path)
+    name = {"dotdot": "../../../../outside/layer_000.safetensors", "absolute": str(outside),
+            "separator": "sub/layer_000.safetensors"}[kind]
+    if kind == "separator":  # a real file there, hash right: only the name rule can refuse it
+        (p / "sub").mkdir()
+        (p / "sub" / "layer_000.safetensors").write_bytes(outside.read_bytes())
+    assert (p / name).resolve().is_file()  # the name does reach a valid, correctly hashed file
+    m = _manifest(p)
+    m["files"][name] = m["files"].pop("layer_000.safetensors")
+    _rewrite(p, m)
+    problems = verify_artifact(p)
+    assert len(problems) == 1 and repr(name) in problems[0], problems
+    assert {"dotdot": "separator", "absolute": "absolute path", "separator": "separator"}[kind] in problems[0]
+    with pytest.raises(ArtifactError) as e:
+        load_artifact(p)
+    assert str(e.value) == problems[0] and "\n" not in str(e.value)
+    with pytest.raises(ArtifactError):
+        load_artifact(p, verify=False)
+
+
+def test_verify_never_reports_on_a_file_outside_the_folder(tmp_path):
+    p = _save(tmp_path / "store")
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"x" * 12345)
+    m = _manifest(p)
+    m["files"]["../../../../secret.safetensors"] = {"sha256": "00" * 32, "bytes": 1}
+    _rewrite(p, m)
+    problems = verify_artifact(p)
+    assert problems and not any("12345" in s or "sha256 mismatch" in s for s in problems), problems
+
+
+def test_symlinked_file_is_refused(tmp_path):
+    p = _save(tmp_path / "store")
+    outside = _outside_copy(p, tmp_path)
+    (p / "layer_000.safetensors").unlink()
+    (p / "layer_000.safetensors").symlink_to(outside)  # same bytes: size and hash would match
+    assert verify_artifact(p) == ["layer_000.safetensors is a symbolic link; files must be real files inside "
+                                  "the version folder"]
+    for verify in (True, False):
+        with pytest.raises(ArtifactError, match="layer_000.safetensors is a symbolic link"):
+            load_artifact(p, verify=verify)
+
+
+def test_symlinked_version_folder_and_manifest_are_refused(tmp_path):
+    p = _save(tmp_path / "store")
+    link = p.parent / "linked"
+    link.symlink_to(p, target_is_directory=True)
+    problems = verify_artifact(link)
+    assert len(problems) == 1 and "is a symbolic link" in problems[0] and str(link) in problems[0]
+    with pytest.raises(ArtifactError, match="is a symbolic link"):
+        load_artifact(link)
+    rows = {r["version"]: r for r in list_artifacts(tmp_path / "store")}
+    assert rows["v1"]["ok"] and not rows["linked"]["ok"] and rows["linked"]["files"] == 0
+    load_artifact(p)  # the real folder is fine
+
+    q = _save(tmp_path / "store")
+    real = tmp_path / "manifest-elsewhere.json"
+    real.write_text((q / "manifest.json").read_text())
+    (q / "manifest.json").unlink()
+    (q / "manifest.json").symlink_to(real)
+    with pytest.raises(ArtifactError, match="manifest.json that is a symbolic link"):
+        load_artifact(q)
+    assert "symbolic link" in verify_artifact(q)[0]
+
+
+def test_edited_manifest_is_refused(tmp_path):
+    p = _save(tmp_path, config={"budget": 64, "bits": 2, "hadamard": True})
+    assert verify_artifact(p) == [] and load_artifact(p).config["hadamard"] is True
+    original = (p / "manifest.json").read_text()
+    for edit in (lambda m: m["config"].update(hadamard=False), lambda m: m["model"].update(num_layers=30),
+                 lambda m: m["report"].update(recall=1.0)):
+        m = json.loads(original)
+        edit(m)
+        (p / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
+        problems = verify_artifact(p)
+        assert len(problems) == 1 and "edited manifest.json" in problems[0], problems
+        with pytest.raises(ArtifactError, match="edited manifest.json"):
+            load_artifact(p)
+        with pytest.raises(ArtifactError, match="edited manifest.json"):
+            load_artifact(p, verify=False)
+    m = json.loads(original)
+    del m["manifest_sha256"]
+    (p / "manifest.json").write_text(json.dumps(m))
+    assert "no manifest_sha256" in verify_artifact(p)[0]
+    # reformatting alone (another indent, key order) is not an edit
+    m = json.loads(original)
+    (p / "manifest.json").write_text(json.dumps(dict(reversed(list(m.items())))))
+    assert verify_artifact(p) == [] and load_artifact(p).config["hadamard"] is True
+
+
+def test_a_manifest_without_files_is_refused(tmp_path):
+    p = _save(tmp_path)
+    m = _manifest(p)
+    m["files"] = {}
+    _rewrite(p, m)
+    assert verify_artifact(p) == [f"artifact at {p} lists no files in its manifest.json"]
+    with pytest.raises(ArtifactError, match="lists no files"):
+        load_artifact(p)
+    with pytest.raises(ArtifactError, match="at least one tensor file"):
+        _save(tmp_path, tensors={})
+
+
+def test_list_checks_every_version_as_verify_does(tmp_path):
+    a, b, c = _save(tmp_path), _save(tmp_path), _save(tmp_path)
+    _flip_middle(b / "layer_001.safetensors")
+    (c / "layer_000.safetensors").unlink()
+    rows = list_artifacts(tmp_path)
+    assert [r["ok"] for r in rows] == [True, False, False]
+    assert "layer_001.safetensors sha256 mismatch" in rows[1]["error"]
+    assert rows[2]["error"] == "layer_000.safetensors missing"
+    assert [r["problems"] for r in rows] == [verify_artifact(x) for x in (a, b, c)]
+
+
+def _dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _tmp_folder(parent, name, age_s):
+    d = parent / name
+    d.mkdir(parents=True)
+    (d / "layer_000.safetensors").write_bytes(b"half written")
+    t = artifacts._STARTED - age_s
+    for x in (d / "layer_000.safetensors", d):
+        os.utime(x, (t, t))
+    return d
+
+
+def test_stale_temporary_folders_are_removed_by_the_next_write_and_by_list(tmp_path):
+    method_dir = tmp_path / "huggingfacetb--smollm2-135m" / "adamas"
+    host = artifacts._host()
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live:
+        try:
+            killed = _tmp_folder(method_dir, f".tmp-{_dead_pid()}@{host}@abc", age_s=10)  # writer SIGKILLed
+            writing = _tmp_folder(method_dir, f".tmp-{live.pid}@{host}@def", age_s=10)  # writer still runs
+            newer = _tmp_folder(method_dir, f".tmp-{_dead_pid()}@{host}@ghi", age_s=-5)  # after this process began
+            old_unknown = _tmp_folder(method_dir, ".tmp-legacy1", age_s=artifacts.UNKNOWN_WRITER_GRACE_S + 60)
+            recent_unknown = _tmp_folder(method_dir, ".tmp-1@other-host@jkl", age_s=60)
+            p = _save(tmp_path)
+            assert p.name == "v1"
+            left = sorted(x.name for x in method_dir.iterdir())
+            assert left == sorted([writing.name, newer.name, recent_unknown.name, "v1"])
+            assert not killed.exists() and not old_unknown.exists()
+        finally:
+            live.kill()
+    live.wait()
+    # the writer is gone now: `list` removes its folder too (and looks at the model and root levels as well)
+    top = _tmp_folder(tmp_path, ".tmp-dump-x", age_s=artifacts.UNKNOWN_WRITER_GRACE_S + 60)
+    assert remove_stale_temps_under(tmp_path) == [top, writing]
+    assert [r["version"] for r in list_artifacts(tmp_path)] == ["v1"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "sparsekv.cli", "artifacts", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_exit_codes(tmp_path):
+    r = _cli("verify", str(tmp_path / "missing" / "v1"))
+    assert r.returncode == 2, r
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "manifest.json missing" in lines[0], r.stderr
+
+    good = _save(tmp_path)
+    bad = _save(tmp_path, config={"hadamard": True})
+    m = _manifest(bad)
+    m["config"]["hadamard"] = False
+    (bad / "manifest.json").write_text(json.dumps(m))
+    dead = _tmp_folder(good.parent, f".tmp-{_dead_pid()}@{artifacts._host()}@x", age_s=10)
+    r = _cli("verify", str(good))
+    assert r.returncode == 0 and "ok" in r.stdout, r
+    r = _cli("verify", str(bad))
+    assert r.returncode == 1 and "edited manifest.json" in r.stderr and "error:" not in r.stderr, r
+    r = _cli("list", str(tmp_path))
+    assert r.returncode == 1 and "edited manifest.json" in r.stdout, r
+    removed = [ln for ln in r.stdout.splitlines() if ln.startswith("removed ")]
+    assert removed == [f"removed 1 temporary folder(s) left by interrupted writes: {dead}"] and not dead.exists()
+    r = _cli("list", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and r.stderr.startswith("error: no artifact store"), r
+
+
+def test_schema_1_artifacts_are_refused_until_upgraded(tmp_path):
+    p = _save(tmp_path, config={"hadamard": True})
+    m = _manifest(p)
+    del m["manifest_sha256"]
+    m["schema_version"] = 1
+    (p / "manifest.json").write_text(json.dumps(m))  # as written before manifests carried a digest
+    with pytest.raises(ArtifactError, match=r"schema_version 1, .* `sparsekv artifacts upgrade "):
+        load_artifact(p)
+    assert "schema_version 1" in verify_artifact(p)[0]
+
+    broken = _save(tmp_path)
+    (broken / "manifest.json").write_text(json.dumps(dict(_manifest(broken), schema_version=1)))
+    _flip_middle(broken / "layer_000.safetensors")
+    with pytest.raises(ArtifactError, match="cannot be upgraded: layer_000.safetensors sha256 mismatch"):
+        upgrade_artifact(broken)
+    assert _manifest(broken)["schema_version"] == 1  # left as it was
+
+    assert upgrade_artifact(p) == p
+    art = load_artifact(p)
+    assert art.config["hadamard"] is True and art.manifest["upgraded"]["from_schema_version"] == 1
+    assert art.manifest["schema_version"] == SCHEMA_VERSION and verify_artifact(p) == []
+    with pytest.raises(ArtifactError, match="nothing to upgrade"):
+        upgrade_artifact(p)
+    assert sorted(x.name for x in p.iterdir()) == ["layer_000.safetensors", "layer_001.safetensors", "manifest.json"]
+
+
+def test_resolve_refuses_a_version_that_is_a_path(tmp_path):
+    _save(tmp_path)
+    with pytest.raises(ArtifactError, match="version '../v1'"):
+        load_artifact(tmp_path, model_name=FP["name"], method="adamas", version="../v1")
