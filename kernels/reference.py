@@ -7,76 +7,75 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.selection import Selection
 
-
-def row_lengths(sel: Selection, batch: int, lengths: torch.Tensor | None, device) -> torch.Tensor:
-    """Valid keys per batch row [B] int64: `lengths` when given, else the selection's own (`sel.lengths`, on the
-    device), else its host length."""
-    if lengths is None:
-        lengths = sel.lengths
-    if lengths is None:
-        return torch.full((batch,), sel.length, dtype=torch.long, device=device)
-    return torch.as_tensor(lengths, device=device).long().view(batch)
-
-
-def selection_positions(sel: Selection, batch: int, heads: int, lengths: torch.Tensor | None = None,
-                        device=None) -> torch.Tensor:
+def decode_positions(batch: int, heads: int, lengths: int | torch.Tensor, indices: torch.Tensor | None = None,
+                     sink: int = 0, window: int = 0, span: int = 0, dense: bool = False,
+                     device=None) -> torch.Tensor:
     """Every position one decode step reads, [B, H, n] int64, -1 where a slot reads nothing.
 
-    Slot order is the kernels' too: sink, then the sparse part, then the window. With per-row `lengths` the
-    window ends at each row's own length, and slots at or past it read nothing. A layer with a sliding window
-    (`sel.span`) sees only [length - span, length): the dense slots start there, and nothing before it is read.
+    The step's keys as the kernels take them: each row's valid `lengths` (int, or [B]), and either every key the
+    layer may see (`dense`) or the dense part (the first `sink` and last `window` keys it may see) plus the sparse
+    `indices` [B or 1, H, k] (-1 pads). Slot order is the kernels' too: sink, then the sparse part, then the window;
+    slots at or past a row's length read nothing, and so do sparse positions outside the row's sparse region (a row
+    shorter than the region a graph-replayed step selects over may be handed some: they never count twice). A layer with a sliding window (`span`) sees only
+    [length - span, length): the dense slots start there, and nothing before it is read.
     """
-    L = row_lengths(sel, batch, lengths, device).view(batch, 1, 1)
-    start = (L - sel.span).clamp(min=0) if sel.span else torch.zeros_like(L)
-    if sel.dense:
+    L = torch.as_tensor(lengths, device=device).long().reshape(-1, 1, 1).expand(batch, 1, 1)
+    start = (L - span).clamp(min=0) if span else torch.zeros_like(L)
+    if dense:
         pos = torch.arange(int(L.max()), device=device).view(1, 1, -1).expand(batch, heads, -1)
         return torch.where((pos < L) & (pos >= start), pos, -1)
-    sink = (start + torch.arange(sel.sink, device=device).view(1, 1, -1)).expand(batch, heads, -1)
-    win = L - sel.window + torch.arange(sel.window, device=device).view(1, 1, -1)
-    win = torch.where(win >= start + sel.sink, win, -1).expand(batch, heads, -1)  # a short row: no sink re-read
-    parts = [sink]
-    if sel.has_sparse:
-        parts.append(sel.sparse_positions().to(device).long().expand(batch, heads, -1))
+    sink_pos = (start + torch.arange(sink, device=device).view(1, 1, -1)).expand(batch, heads, -1)
+    win = L - window + torch.arange(window, device=device).view(1, 1, -1)
+    win = torch.where(win >= start + sink, win, -1).expand(batch, heads, -1)  # a short row: no sink re-read
+    parts = [sink_pos]
+    if indices is not None:  # outside the row's sparse region [start + sink, length - window): nothing
+        sp = indices.to(device).long().expand(batch, heads, -1)
+        parts.append(torch.where((sp >= start + sink) & (sp < L - window), sp, -1))
     parts.append(win)
     pos = torch.cat(parts, dim=-1)
     return torch.where((pos >= start) & (pos < L), pos, -1)
 
 
-def check_selection(sel: Selection, batch: int, heads: int, lengths: torch.Tensor | None = None) -> None:
-    """Reject what the kernels assume away: duplicate positions (a key would count twice in the softmax) and
-    sparse positions inside the dense part. Costs a sort and a host sync: for tests and debugging."""
-    parts = [t for t in (sel.indices, sel.blocks, sel.buckets) if t is not None]
-    pos = selection_positions(sel, batch, heads, lengths, device=parts[0].device if parts else None)
+def check_positions(pos: torch.Tensor) -> None:
+    """Reject what the kernels assume away: duplicate positions in a row of `decode_positions` (a key would count
+    twice in the softmax). Costs a sort and a host sync: for tests and debugging."""
     srt = pos.sort(-1).values
     dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
     if bool(dup.any()):
         raise ValueError("selection has duplicate positions (a key would be attended twice)")
 
 
-def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection,
-                            scale: float, lengths: torch.Tensor | None = None,
+def selection_heads(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None, dense: bool) -> int:
+    """Selection heads of a step: the sparse part's head count, else one per KV head; KV or query heads only."""
+    Hq, Hkv = q.shape[1], keys.shape[1]
+    Hs = indices.shape[1] if indices is not None and not dense else Hkv
+    if Hs not in (Hkv, Hq):
+        raise ValueError(f"selection has {Hs} heads; expected {Hkv} (KV heads) or {Hq} (query heads)")
+    return Hs
+
+
+def sparse_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                            lengths: int | torch.Tensor, indices: torch.Tensor | None = None, *, sink: int = 0,
+                            window: int = 0, span: int = 0, dense: bool = False, extent: int | None = None,
                             softcap: float | None = None) -> torch.Tensor:
-    """One decode step of attention over the keys a selection names.
+    """One decode step of attention over the keys `decode_positions` names.
 
     q: [B, Hq, 1, D]; keys/values: [B, Hkv, >= length, D]; returns [B, Hq, 1, D] in q's dtype.
-    The selection has one row per KV head (GQA group shares it) or one per query head; `lengths` [B] gives
-    each row's valid length when rows differ. `softcap`: logits s = q·k x scale become softcap * tanh(s / softcap).
+    `indices` has one row per KV head (a GQA group shares it) or one per query head. `extent` (the slots a kernel's
+    grid covers) changes nothing here. `softcap`: logits s = q·k x scale become softcap * tanh(s / softcap).
     """
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
-    Hs = sel.heads(Hkv)
-    pos = selection_positions(sel, B, Hs, lengths, device=q.device)
+    Hs = selection_heads(q, keys, indices, dense)
+    pos = decode_positions(B, Hs, lengths, indices, sink, window, span, dense, device=q.device)
     if Hs == Hkv:  # one key set per group: q rows of a group share it
         qs = q.float().view(B, Hkv, G, D)
         kv_head = torch.arange(Hkv, device=q.device)
-    elif Hs == Hq:  # one key set per query head
+    else:  # one key set per query head
         qs = q.float().view(B, Hq, 1, D)
         kv_head = torch.arange(Hq, device=q.device) // G
-    else:
-        raise ValueError(f"selection has {Hs} heads; expected {Hkv} (KV heads) or {Hq} (query heads)")
     valid = pos >= 0
     idx = pos.clamp(min=0)
     b_idx = torch.arange(B, device=q.device).view(B, 1, 1)
@@ -108,16 +107,18 @@ def qk_logits_reference(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tens
     return logits.masked_fill((indices < 0).unsqueeze(2), float("-inf")).reshape(B, Hq, m)
 
 
-def topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_reference(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """Indices [..., k] int64 of the k largest scores per row, ties to the lower index, each row ascending.
 
     A stable descending sort (NaN first, -0.0 tied with +0.0, as torch.sort orders them), its first k, sorted.
+    `kernels.topk.topk`'s signature: `out` is filled and returned when given; `config` (its tuning knobs) is ignored.
     """
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"topk: k={k} must be between 0 and the row length {n}")
     order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :k]
-    return order.sort(dim=-1).values
+    idx = order.sort(dim=-1).values
+    return idx if out is None else out.copy_(idx)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,6 +317,42 @@ def adamas_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: 
     return torch.einsum("bhld,bhgd->bhgl", levels, qg).reshape(B, Hq, -1)
 
 
+def quantize_pack_reference(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2,
+                            transform: bool = True) -> torch.Tensor:
+    """(Hadamard if `transform`) + bucketize + pack: x [B, H, n, D] -> int16 words [B, H, n, W] (fp32 maths).
+    Contract of `adamas.quantize_pack`."""
+    x = x.float()
+    if transform:
+        x = x @ hadamard_matrix(x.shape[-1], torch.float32, x.device)
+    return adamas_pack_reference(adamas_bucketize_reference(x, thresholds, bits), bits)
+
+
+def quantize_pack_into_reference(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor,
+                                 start: int | torch.Tensor, bits: int = 2, transform: bool = True) -> None:
+    """quantize_pack_reference written into out_words [B, H, Lmax, W] at [start, start + n): `start` an int, or for
+    one token per row a device tensor [B]. Contract of `adamas.quantize_pack_into`."""
+    words = quantize_pack_reference(x, thresholds, bits, transform)
+    if isinstance(start, int):
+        out_words[:, :, start : start + x.shape[2]] = words
+    else:
+        out_words[torch.arange(out_words.shape[0], device=out_words.device), :, start.long()] = words[:, :, 0]
+
+
+def code_scores_reference(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
+                          metric: str = "l1", *, pool: str | None = None) -> torch.Tensor:
+    """Negated code distances fp32 [B, H, length] (higher = closer) of the first `length` keys: contract of
+    `adamas.code_scores`."""
+    qw = q_words.reshape(q_words.shape[0], q_words.shape[1], -1)
+    return -adamas_distance_reference(qw, k_words[:, :, :length], d, bits, metric, pool).float()
+
+
+def code_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor, length: int, d: int,
+                             bits: int = 2, *, pool: str | None = None) -> torch.Tensor:
+    """adamas_ip_scores_reference over the first `length` keys: contract of `adamas.code_ip_scores`."""
+    return adamas_ip_scores_reference(q.reshape(q.shape[0], q.shape[1], -1), k_words[:, :, :length], centers, d,
+                                      bits, pool)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Quest (Tang et al., ICML 2024): page upper bounds from the key-wise max and min of each page.
 
@@ -388,3 +425,43 @@ def pooled_log_probs_reference(logits: torch.Tensor, group: int, scale: float, s
         s = s.masked_fill(~keep, float("-inf"))
     lp = torch.log_softmax(s, dim=-1).nan_to_num(float("-inf"), neginf=float("-inf"))
     return torch.logsumexp(lp.view(B, Hq // group, group, n), dim=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunked causal prefill (kernels/prefill_attention.py).
+
+def prefill_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                                span: int = 0, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of the last n of L positions: q [B, Hq, n, D] over keys/values [B, Hkv, L, D] (L >= n) ->
+    [B, Hq, n, D] in q's dtype. Query i sits at p = L - n + i and sees keys j <= p (and j > p - span when span > 0);
+    query head h reads KV head h // (Hq // Hkv). Logits scale * q·k, or softcap * tanh(scale * q·k / softcap).
+
+    fp32 maths over a block of query rows at a time, each against only the keys some row of it can see, so no n x L
+    mask (nor n x L logits) is ever held: a long prompt's chunk stays within a fixed memory budget.
+    """
+    B, Hq, n, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    if L < n or Hq % Hkv:
+        raise ValueError(f"prefill_attention: need L >= n and Hq a multiple of Hkv, got L={L}, n={n}, "
+                         f"Hq={Hq}, Hkv={Hkv}")
+    G = Hq // Hkv
+    out = torch.empty(B, Hq, n, D, dtype=q.dtype, device=q.device)
+    rows = max(1, min(1024, (1 << 26) // max(1, B * Hq * L)))  # at most 64M logits (256 MB) per block
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        pos = torch.arange(L - n + r0, L - n + r1, device=q.device)  # absolute positions of these queries
+        lo = max(0, L - n + r0 - span + 1) if span else 0
+        hi = L - n + r1  # one past the last key any row of the block sees
+        j = torch.arange(lo, hi, device=q.device)
+        keep = j[None, :] <= pos[:, None]
+        if span:
+            keep &= j[None, :] > pos[:, None] - span
+        qg = q[:, :, r0:r1].float().reshape(B, Hkv, G, r1 - r0, D)
+        s = torch.einsum("bhgrd,bhjd->bhgrj", qg, keys[:, :, lo:hi].float()) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("bhgrj,bhjd->bhgrd", p, values[:, :, lo:hi].float())
+        out[:, :, r0:r1] = o.reshape(B, Hq, r1 - r0, D).to(q.dtype)
+    return out

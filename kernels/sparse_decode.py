@@ -3,7 +3,7 @@
 A decode step reads a list of *slots*: the sink, then the sparse part, then the recent window. Each program
 takes one chunk of slots for one selection head (a KV head and its whole GQA group, or one query head), maps
 slots to key positions (dense or token indices; blocks and CSR bucket lists are expanded to token indices on the
-device first, a few µs of torch ops: Triton 3.6's layout pass crashed on an in-kernel block mapping), reads each key and value once for every
+device first by the caller: Triton 3.6's layout pass crashed on an in-kernel block mapping), reads each key and value once for every
 query row that shares it, and keeps an online-softmax partial state (max, sum, acc). A second small kernel
 merges the partial states of the chunks: flash-decoding's split-K, which spreads a long sequence (or a short
 selection over few heads) across all SMs. `qk_logits` runs the same pass without the attention and writes each
@@ -14,16 +14,12 @@ Reference: `kernels/reference.py::sparse_decode_reference` (same arguments, plai
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
 
-from sparsekv.selection import Selection
-
 from .device import num_sms
-from .reference import check_selection
+from .reference import check_positions, decode_positions, selection_heads
 
 MODE_DENSE, MODE_INDICES = 0, 1
 _NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps exp(x - m) finite for chunks that read nothing
@@ -64,6 +60,9 @@ def _partial_kernel(
 
     if MODE == 0:
         n_slots = length - lo
+        # each row splits its own keys over the grid's chunks: the partition (and so the rounding) depends on the row
+        # alone, never on the batch it decodes in or on the cache's capacity
+        chunk = tl.cdiv(tl.cdiv(n_slots, tl.num_programs(0)), BLOCK_N) * BLOCK_N
     else:
         n_slots = sink + n_sparse + window
     start = c * chunk
@@ -83,7 +82,10 @@ def _partial_kernel(
             sp = tl.load(IDX + b * stride_ib + hs * stride_ih + j, mask=in_range & ~is_sink & ~is_win, other=-1)
             wp = length - window + (t - sink - n_sparse)
             pos = tl.where(is_sink, lo + t, tl.where(is_win, wp, sp))
-            ok = in_range & (pos >= lo) & (pos < length) & (is_sink | ~is_win | (wp >= lo + sink))
+            # a sparse position outside [lo + sink, length - window) reads nothing: a row shorter than the region
+            # its graph selects over never attends a key twice
+            sp_ok = (pos >= lo + sink) & (pos < length - window)
+            ok = in_range & (pos >= lo) & (pos < length) & (is_sink | tl.where(is_win, wp >= lo + sink, sp_ok))
         pos = tl.where(ok, pos, 0)
         k = tl.load(k_base + pos[:, None] * stride_kn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale  # [BLOCK_G, BLOCK_N]
@@ -133,27 +135,38 @@ def _merge_kernel(M_in, L_in, ACC_in, OUT, stride_ob, stride_oh, Hq, n_chunks,
     tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
-def _plan(n_slots: int, programs_per_chunk: int, device: torch.device, block_n: int,
-          waves: int = 2) -> tuple[int, int]:
-    """(chunk, n_chunks): enough chunks that about `waves` programs run per SM, each at least one tile long."""
+def _plan(n_slots: int, heads: int, device: torch.device, block_n: int, waves: int = 2) -> tuple[int, int]:
+    """(chunk, n_chunks): enough chunks that about `waves` programs per SM run for one batch row's `heads`
+    selection heads, each at least one tile long. Counted for one row, not the batch: a row's split (and so its
+    rounding) is the same whatever batch it decodes in (batch rows only add programs)."""
     sms = num_sms(device) if device.type == "cuda" else 4  # interpreter: few chunks keep it fast
-    want = max(1, (waves * sms + programs_per_chunk - 1) // programs_per_chunk)
+    want = max(1, (waves * sms + heads - 1) // heads)
     chunk = max(block_n, triton.cdiv(triton.cdiv(max(n_slots, 1), want), block_n) * block_n)
     return chunk, triton.cdiv(max(n_slots, 1), chunk)
 
 
-def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: Selection, scale: float,
-                  lengths: torch.Tensor | None = None, softcap: float | None = None, check: bool = False, *,
-                  block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                  waves: int = 4) -> torch.Tensor:
-    """q [B, Hq, 1, D] over the keys `sel` names -> [B, Hq, 1, D]. Same contract as sparse_decode_reference.
+def _dense_chunks(heads: int, device: torch.device, waves: int) -> int:
+    """Chunks of a dense step: the grid's first axis, fixed by the device and the heads alone; each row divides its
+    own keys among them in the kernel."""
+    sms = num_sms(device) if device.type == "cuda" else 4
+    return max(1, (waves * sms + heads - 1) // heads)
 
-    `lengths` [B] (int) gives per-row valid lengths when batch rows differ; `check=True` rejects duplicate
-    positions first (a host sync: for tests and debugging). block_n / num_warps / num_stages / waves (programs
-    per SM) are tuning knobs; the defaults were measured on an H100 (results/ has the numbers).
+
+def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                  lengths: int | torch.Tensor, indices: torch.Tensor | None = None, *, sink: int = 0,
+                  window: int = 0, span: int = 0, dense: bool = False, extent: int | None = None,
+                  softcap: float | None = None, check: bool = False, block_n: int | None = None,
+                  num_warps: int = 4, num_stages: int | None = None, waves: int = 4) -> torch.Tensor:
+    """q [B, Hq, 1, D] over the keys `reference.decode_positions` names -> [B, Hq, 1, D]. Same contract as
+    `reference.sparse_decode_reference`.
+
+    `lengths`: valid keys, an int or per row [B] on the device (read there: no host sync). `extent`: the cache slots
+    a dense step's grid covers (a graph-replayed step's capacity); default the int length, or the whole buffer.
+    `check=True` rejects duplicate positions first (a host sync: for tests and debugging). block_n / num_warps /
+    num_stages / waves (programs per SM) are tuning knobs with defaults measured on an H100.
     """
-    return _launch(q, keys, values, sel, scale, lengths, check, False, block_n, num_warps, num_stages, waves,
-                   softcap)
+    return _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense, extent, softcap, check,
+                   False, block_n, num_warps, num_stages, waves)
 
 
 def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None = None, *,
@@ -164,50 +177,46 @@ def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None 
     when indices is None (m = L). The sparse-decode pass with the attention left out: each key is read once for
     the query rows that share it (the oracle's scores and --rerank's). Reference: `reference.qk_logits_reference`."""
     L = keys.shape[2]
-    sel = Selection(L, dense=True) if indices is None else Selection(L, indices=indices, padded=True)
-    return _launch(q, keys, keys, sel, 1.0, None, False, True, block_n, num_warps, num_stages, waves)
+    return _launch(q, keys, keys, 1.0, L, indices, 0, 0, 0, indices is None, None, None, False, True, block_n,
+                   num_warps, num_stages, waves)
 
 
-def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_warps, num_stages, waves,
-            softcap=None):
-    """The partial pass over `sel`'s slots, then the merge (attention) or, with `logits`, the q·k per slot."""
+def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense, extent, softcap, check, logits,
+            block_n, num_warps, num_stages, waves):
+    """The partial pass over the step's slots, then the merge (attention) or, with `logits`, the q·k per slot."""
     B, Hq, _, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
-    if sel.buckets is not None:  # CSR: expand the chosen buckets to token indices, then the index path
-        sel = replace(sel, buckets=None, bucket_offsets=None, bucket_tokens=None, indices=csr_to_indices(sel))
-    elif sel.blocks is not None:  # blocks: expand to token positions (clipped to the middle region)
-        sel = replace(sel, blocks=None, block_size=0, indices=sel.sparse_positions())
-    Hs = sel.heads(Hkv)
-    if Hs not in (Hkv, Hq):
-        raise ValueError(f"selection has {Hs} heads; expected {Hkv} (KV heads) or {Hq} (query heads)")
+    Hs = selection_heads(q, keys, indices, dense)
     if check:
-        check_selection(sel, B, Hs, lengths)
+        check_positions(decode_positions(B, Hs, lengths, indices, sink, window, span, dense, device=q.device))
     group_rows = G if Hs == Hkv else 1
-    ragged = lengths is not None  # rows of their own lengths, given by the caller: grids span the whole buffer
-    lengths = lengths if ragged else sel.lengths
-    lens = (torch.full((B,), sel.length, dtype=torch.int32, device=q.device) if lengths is None
-            else lengths.to(device=q.device, dtype=torch.int32))
-    if sel.dense:
+    if isinstance(lengths, int):
+        lens = torch.full((B,), lengths, dtype=torch.int32, device=q.device)
+        bound = lengths if extent is None else extent
+    else:
+        lens = lengths.to(device=q.device, dtype=torch.int32).reshape(-1).expand(B)
+        bound = keys.shape[2] if extent is None else extent
+    if dense:
         mode, idx, n_sparse, sink, window = MODE_DENSE, lens, 0, 0, 0
-        # a graph-replayed step covers its extent; an eager one its host length (the device lengths agree)
-        bound = sel.extent if sel.extent is not None else keys.shape[2] if ragged else sel.length
-        n_slots = min(bound, sel.span) if sel.span else bound
+        n_slots = min(bound, span) if span else bound
     else:
         mode = MODE_INDICES
-        idx = sel.indices if sel.indices is not None else lens.new_full((B, Hs, 1), -1)
-        n_sparse = idx.shape[-1] if sel.indices is not None else 0
-        sink, window = sel.sink, sel.window
+        idx = indices if indices is not None else lens.new_full((B, Hs, 1), -1)
+        n_sparse = idx.shape[-1] if indices is not None else 0
         n_slots = sink + n_sparse + window
         if idx.shape[0] != B:
             idx = idx.expand(B, -1, -1)
-    # H100 sweep (bf16, d 128, 32/8 heads, 131072 tokens; .scratch tuning, numbers in results/): dense is best with
-    # 128-key tiles and 3 stages (181.8 µs), the gathered sparse path with 64-key tiles and no pipelining (8.6 µs)
+    # tuned on an H100 (bf16, d 128, 32/8 heads, 131072 tokens): dense reads best in 128-key tiles with 3 stages,
+    # the gathered sparse path in 64-key tiles without pipelining
     BLOCK_N = block_n or ((128 if mode == MODE_DENSE else 64) if D <= 128 else 32)
     num_stages = num_stages or (3 if mode == MODE_DENSE else 1)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group_rows))  # tl.dot needs at least 16 rows
-    chunk, n_chunks = _plan(n_slots, B * Hs, q.device, BLOCK_N, waves)
+    if mode == MODE_DENSE:  # chunk: computed per row in the kernel
+        chunk, n_chunks = 0, _dense_chunks(Hs, q.device, waves)
+    else:
+        chunk, n_chunks = _plan(n_slots, Hs, q.device, BLOCK_N, waves)
     rows = 0 if logits else B * Hq * n_chunks
     m = torch.empty(rows, dtype=torch.float32, device=q.device)
     l = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -221,7 +230,7 @@ def _launch(q, keys, values, sel, scale, lengths, check, logits, block_n, num_wa
         qc, keys, values, idx, lens, m, l, acc, s_out,
         qc.stride(0), qc.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), sib, sih,
-        scale, Hs, G, group_rows, sink, n_sparse, window, chunk, n_slots, sel.span, float(softcap or 0.0),
+        scale, Hs, G, group_rows, sink, n_sparse, window, chunk, n_slots, span, float(softcap or 0.0),
         MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
         BLOCK_N=BLOCK_N, LOGITS=logits, SOFTCAP=bool(softcap) and not logits, num_warps=num_warps,
         num_stages=num_stages,
@@ -238,29 +247,4 @@ def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, leng
                  scale: float, span: int = 0, softcap: float | None = None, **tuning) -> torch.Tensor:
     """Split-K flash-decoding over the whole valid cache (its last `span` keys with a sliding window): our dense
     baseline. lengths: int or [B]."""
-    if isinstance(lengths, int):
-        return sparse_decode(q, keys, values, Selection(lengths, dense=True, span=span), scale, softcap=softcap,
-                             **tuning)
-    return sparse_decode(q, keys, values, Selection(int(keys.shape[2]), dense=True, span=span), scale,
-                         lengths=lengths, softcap=softcap, **tuning)
-
-
-def csr_to_indices(sel: Selection) -> torch.Tensor:
-    """CSR bucket lists -> padded token indices [B, H, n] (-1 pads), on the device, without a Python loop."""
-    B, H, nl = sel.buckets.shape
-    off = sel.bucket_offsets.long()
-    valid = sel.buckets >= 0
-    bk = sel.buckets.clamp(min=0).long()
-    starts = off.gather(-1, bk)
-    counts = torch.where(valid, off.gather(-1, bk + 1) - starts, 0)
-    # n is data-dependent; a bound keeps shapes static: every token belongs to at most one bucket
-    n = sel.bucket_tokens.shape[-1]
-    ends = counts.cumsum(-1)  # [B, H, nl]
-    slot = torch.arange(n, device=bk.device).view(1, 1, -1)
-    which = torch.searchsorted(ends, slot.expand(B, H, -1).contiguous(), right=True)  # bucket of each slot
-    ok = which < nl
-    which = which.clamp(max=nl - 1)
-    before = torch.where(which > 0, ends.gather(-1, (which - 1).clamp(min=0)), 0)
-    src = starts.gather(-1, which) + (slot - before)
-    tok = sel.bucket_tokens.long().gather(-1, src.clamp(max=n - 1))
-    return torch.where(ok, tok, -1)
+    return sparse_decode(q, keys, values, scale, lengths, span=span, dense=True, softcap=softcap, **tuning)

@@ -7,8 +7,10 @@ state and each layer's attention pattern (sliding window, softcapping, scale: pa
 checked against that pattern (transformers passes the function no cache); without a SparseCache the function is
 plain dense attention.
 
-A mask function is registered under the same name: a custom name otherwise gets *no* mask from transformers, and
-padding in a batch would be silently ignored.
+A mask function is registered under the same name (a custom name otherwise gets *no* mask from transformers, and
+padding in a batch would be silently ignored). It builds no mask where none is needed (no padding): the attention
+function then applies causality and the layer's window itself, so the chunks of a long prompt never hold an
+n x L mask in memory.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import ops
 from .cache import SparseCache, active_cache
 from .patterns import check_call
-from .sparse_attention import dense_attention, sparse_decode
+from .sparse_attention import dense_attention
 
 NAME = "sparsekv"
 
@@ -30,6 +33,7 @@ def sparsekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     """query [B, Hq, n, D] (post-RoPE), key/value [B, Hkv, L, D] -> ([B, n, Hq, D], None)."""
     cache = active_cache()
     layer = getattr(module, "layer_idx", None)
+    span, softcap = kwargs.get("sliding_window") or 0, kwargs.get("softcap")
     if cache is not None and layer is not None:
         # what the model passes must be what the cache's pattern for this layer says (patterns.py)
         check_call(layer, cache.pattern(layer), scaling, dropout, kwargs)
@@ -37,10 +41,11 @@ def sparsekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
             cache.recorder(layer, query, key, value, cache)
         if query.shape[2] == 1:
             return decode_attention(cache, layer, query), None
+        span, softcap = cache.pattern(layer).span, cache.pattern(layer).softcap
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
-    out = dense_attention(query, key, value, scale, mask=attention_mask, softcap=kwargs.get("softcap"))
+    out = dense_attention(query, key, value, scale, mask=attention_mask, softcap=softcap, span=span)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -58,14 +63,23 @@ def decode_attention(cache: SparseCache, layer: int, query: torch.Tensor) -> tor
         cache.stats.add_selection(sel)
     else:
         sel = state.selection(dense=True)
-    out = sparse_decode(query, state.keys, state.values, sel, scale, softcap=pattern.softcap)
+    out = ops.sparse_decode(query, state.keys, state.values, sel, scale, softcap=pattern.softcap)
     return out.transpose(1, 2).contiguous()
+
+
+def causal_mask(*args, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
+                **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask where the batch has padding or the model adds to causality; else none (None): the
+    attention function knows causality and each layer's window (`sliding_window`, or the cache's pattern)."""
+    if allow_is_causal_skip and (attention_mask is None or bool(attention_mask.all())):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 def register() -> str:
     """Register the attention and mask functions with transformers (idempotent); returns the name to use."""
     AttentionInterface.register(NAME, sparsekv_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, causal_mask)
     return NAME
 
 

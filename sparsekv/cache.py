@@ -9,7 +9,8 @@ because transformers passes no cache to attention functions.
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -25,6 +26,10 @@ _ACTIVE: contextvars.ContextVar["SparseCache | None"] = contextvars.ContextVar("
 
 def active_cache() -> "SparseCache | None":
     return _ACTIVE.get()
+
+
+# LayerState fields the cache itself keeps (K/V buffers, lengths): load_row copies the method's fields only
+_CACHE_FIELDS = frozenset({"keys", "values", "lengths"})
 
 
 @dataclass(frozen=True)
@@ -220,19 +225,59 @@ class SparseCache(Cache):
         _ACTIVE.set(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def begin_step(self, pos: int) -> None:
-        """Before a decode step of one token at `pos` (every row): host lengths become pos + 1 and the device lengths
-        are filled once, so each layer's write slot, its index update and its selection read them on the device, as
-        a replayed CUDA graph does. Outside begin_step a one-token update writes at the host length."""
-        if pos + 1 > self.max_len:
-            raise SparseKVError(f"KV cache is full: position {pos} is past its {self.max_len} slots (raise max_len)")
-        self.step_pos = pos
+    def begin_step(self, pos: int | Sequence[int]) -> None:
+        """Before a decode step of one token per row at `pos` (an int for every row, or one per row): host lengths
+        become the longest row's, pos + 1, and the device lengths are filled once, so each layer's write slot, its
+        index update and its selection read them on the device, as a replayed CUDA graph does. Outside begin_step a
+        one-token update writes at the host length."""
+        last = pos if isinstance(pos, int) else max(pos)
+        if last + 1 > self.max_len:
+            raise SparseKVError(f"KV cache is full: position {last} is past its {self.max_len} slots (raise max_len)")
+        self.step_pos = last
         for layer in self.layers:
             if layer.is_initialized:
-                layer.length = layer.state.length = pos + 1
-        if self.lengths is not None:
+                layer.length = layer.state.length = last + 1
+        if self.lengths is None:
+            return
+        if isinstance(pos, int):
             self.lengths.fill_(pos + 1)
             self.slots.fill_(pos)
+        else:
+            if len(pos) != self.lengths.shape[0]:
+                raise SparseKVError(f"{len(pos)} positions for a batch of {self.lengths.shape[0]} rows")
+            self.slots.copy_(torch.tensor(pos, dtype=torch.int32), non_blocking=True)
+            torch.add(self.slots, 1, out=self.lengths)
+
+    def load_row(self, row: int, batch: int, src: "SparseCache") -> None:
+        """Take a one-row cache's prompt (its K/V and the method's index of it, e.g. a prefill) as row `row` of this
+        batch of `batch` rows: prompts of different lengths are prefilled and indexed alone, then decode together,
+        each row at its own length. The method state's per-row tensors are those whose first dimension is the batch
+        (`batch` here, 1 in `src`); they are copied over the part both cover. Host lengths become the longest
+        row's; rows decode in regions sized to the cache (`set_extent`), masked per row on the device."""
+        if batch < 2 or not 0 <= row < batch:
+            raise SparseKVError(f"row {row} of a batch of {batch}: load_row builds batches of 2 or more rows")
+        for layer, one in zip(self.layers, src.layers):
+            if not one.is_initialized:
+                raise SparseKVError("load_row: the one-row cache holds no prompt")
+            n = one.length
+            if n > self.max_len:
+                raise SparseKVError(f"a prompt of {n} tokens does not fit the batch cache's {self.max_len} slots")
+            if not layer.is_initialized:
+                H, D = one.keys.shape[1], one.keys.shape[3]
+                layer.lazy_initialization(one.keys.new_empty(batch, H, 0, D), one.values.new_empty(batch, H, 0, D))
+            layer.keys[row, :, :n] = one.keys[0, :, :n]
+            layer.values[row, :, :n] = one.values[0, :, :n]
+            for f in fields(layer.state):
+                dst, part = getattr(layer.state, f.name), getattr(one.state, f.name)
+                if f.name in _CACHE_FIELDS or not isinstance(dst, torch.Tensor) or not isinstance(part, torch.Tensor):
+                    continue
+                if dst.dim() == part.dim() and dst.shape[0] == batch and part.shape[0] == 1:
+                    common = tuple(slice(0, min(a, b)) for a, b in zip(dst.shape[1:], part.shape[1:]))
+                    dst[row][common] = part[0][common]
+            layer.length = layer.state.length = max(layer.length, n)
+        self.lengths[row] = src.layers[0].length
+        self.slots[row] = src.layers[0].length - 1
+        self.set_extent(self.max_len)
 
     def release(self) -> None:
         """Free the K/V buffers and method states now (a finished generation), not when the garbage collector

@@ -192,7 +192,7 @@ def _specs(methods: list[str], budgets: list[float], seqs: list[int], options: d
 
 def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: list[int], n: int, seed: int,
               dense_layers: tuple[int, ...], options: dict, task_options: dict | None = None,
-              checkpoint: Optional[Path] = None) -> list[dict]:
+              checkpoint: Optional[Path] = None, batch_size: int = 1) -> list[dict]:
     """Generation tasks (passkey, ruler): per length, make the prompts, then run every cell sample-major.
     With `checkpoint`, the results so far are saved there every CHECKPOINT_S seconds (a stopped job keeps them)."""
     from .eval.runner import check_task, make_samples, run_grid
@@ -218,7 +218,7 @@ def _run_grid(lm, task: str, methods: list[str], budgets: list[float], seqs: lis
             progress.update(bar, total=(progress.tasks[0].total or 0) + len(samples) * len(specs),
                             description=f"{task} seq={L}: {len(specs)} method/budget cells")
             cells = run_grid(lm, task, specs, L, n, seed, dense_layers, samples=samples,
-                             on_sample=lambda: progress.advance(bar), on_partial=save)
+                             on_sample=lambda: progress.advance(bar), on_partial=save, batch_size=batch_size)
             for c in cells:
                 c["skipped_subtasks"] = skipped
             results += cells
@@ -279,6 +279,9 @@ def eval_cmd(
     seq: Annotated[str, typer.Option(help="prompt length(s) in tokens, comma-separated (ppl: window length)")] = "1024",
     n: Annotated[int, typer.Option(help="samples per cell (RULER: per subtask; ppl: text windows)")] = 10,
     seed: Annotated[int, typer.Option(help="data seed")] = 42,
+    batch_size: Annotated[int, typer.Option(help="passkey/ruler: prompts decoded together (each row attends what it "
+                                            "would alone; a fractional budget is resolved per batch, against its "
+                                            "longest prompt)")] = 1,
     subtasks: Annotated[str, typer.Option(help="ruler: subtasks or groups, comma-separated (all, niah, "
                                           "niah_single_1, vt, cwe, fwe, qa_1, ...)")] = "all",
     haystack_file: Annotated[Optional[Path], typer.Option(help="ruler: essay haystack text (.txt or .gz), e.g. "
@@ -323,6 +326,10 @@ def eval_cmd(
     check_task(task)
     if n <= 0:
         raise SparseKVError(f"--n must be positive, got {n}")
+    if batch_size <= 0:
+        raise SparseKVError(f"--batch-size must be positive, got {batch_size}")
+    if batch_size > 1 and task not in ("passkey", "ruler"):
+        raise SparseKVError(f"--batch-size applies to passkey and ruler, not --task {task}")
     _check_task_options(task, subtasks=subtasks != "all", haystack_file=haystack_file, text_file=text_file,
                         dataset=dataset, prefill=prefill, acts=acts, max_queries=max_queries,
                         min_context=min_context)
@@ -355,7 +362,7 @@ def eval_cmd(
     else:
         task_options = {"subtasks": subtasks, "haystack_file": haystack_file} if task == "ruler" else {}
         results = _run_grid(lm, task, methods, budgets, seqs, n, seed, layers, options, task_options,
-                            checkpoint=json_out)
+                            checkpoint=json_out, batch_size=batch_size)
     console.print(_results_table(results, f"{task} on {lm.name}"))
     sub = _subtask_table(results, f"{task} per subtask (score 0-100)")
     if sub is not None:
@@ -577,13 +584,15 @@ def bench(
     pooling: PoolingOpt = None,
     distance: DistanceOpt = None,
     rerank: RerankOpt = None,
-    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    batch: Annotated[str, typer.Option(help="sequences decoded together (with --e2e: comma-separated sizes)")] = "1",
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,
     topk: Annotated[bool, typer.Option(help="also time top-k alone: our fused and radix selects vs torch.topk")] = True,
     e2e: Annotated[bool, typer.Option("--e2e", help="time a whole model's generation instead (random weights of "
                                       "--shape, or --model): ms/token, tokens/s, prefill time, peak memory")] = False,
     new_tokens: Annotated[int, typer.Option(help="with --e2e: tokens generated per method")] = 32,
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="with --e2e: prefill the prompt in chunks of this many "
+                                                         "tokens (bounded memory at long context)")] = None,
     require_gpu: Annotated[bool, typer.Option(help="exit 2 instead of falling back to the CPU")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result here")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="write a PNG of µs (--e2e: ms/token) vs seq (needs "
@@ -604,8 +613,11 @@ def bench(
         require_matplotlib()  # fail before minutes of timing, not after
     budgets = _csv(budget, float, "budget")
     seqs = _csv(seq, int, "seq")
+    batches = _csv(batch, int, "batch")
     if not seqs:
         raise SparseKVError("give at least one --seq")
+    if not e2e and (len(batches) != 1 or prefill_chunk is not None):
+        raise SparseKVError("several --batch sizes and --prefill-chunk are for --e2e")
     if device == "auto" and not torch.cuda.is_available() and not require_gpu:
         console.print(f"no GPU: running on the CPU{'' if e2e else f', seq capped at {CPU_SEQ_CAP}'} (not GPU "
                       f"timings)", soft_wrap=True)
@@ -613,11 +625,12 @@ def bench(
         if len(budgets) != 1:
             raise SparseKVError("--e2e takes one --budget")
         with console.status("bench --e2e ...") as status:
-            result = run_e2e(seqs, methods, budgets[0], shape=shape, model=model, batch=batch, new_tokens=new_tokens,
+            result = run_e2e(seqs, methods, budgets[0], shape=shape, model=model, batch=batches, new_tokens=new_tokens,
                              dtype=dtype, device=device, method_options={"sink": sink, "window": window,
                                                                          "pooling": pooling, "distance": distance,
                                                                          "rerank": rerank},
-                             require_gpu=require_gpu, progress=lambda msg: status.update(f"bench --e2e: {msg}"))
+                             require_gpu=require_gpu, prefill_chunk=prefill_chunk,
+                             progress=lambda msg: status.update(f"bench --e2e: {msg}"))
         out = console if console.is_terminal else Console(width=160)
         out.print(e2e_table(result))
         for note in result["notes"]:
@@ -631,7 +644,7 @@ def bench(
         with console.status(f"reading the shape of {model} ..."):
             the_shape = from_model(model)
     with console.status("bench ...") as status:
-        result = run_bench(the_shape, seqs[0], methods, budgets, batch=batch, dtype=dtype, device=device,
+        result = run_bench(the_shape, seqs[0], methods, budgets, batch=batches[0], dtype=dtype, device=device,
                            sweep=True if sweep else (seqs if len(seqs) > 1 else None), sink=sink, window=window,
                            pooling=pooling, method_options={"distance": distance, "rerank": rerank},
                            require_gpu=require_gpu, topk=topk, progress=lambda msg: status.update(f"bench: {msg}"))

@@ -144,6 +144,60 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
     return Generation(out, text, n, stats, kept, clock.summary())
 
 
+@torch.no_grad()
+def generate_batch(lm: LoadedModel, prompts: list | None, method: Method, max_new_tokens: int | list[int],
+                   dense_layers=(), stop_on_eos: bool = True, prefill_chunk: int | None = None,
+                   prefilled: list[Prefill] | None = None, keep_logits: bool = False) -> list[Generation]:
+    """Greedy decoding of several prompts of any lengths at once: each is prefilled (or taken from `prefilled`) and
+    indexed alone, as `generate` does, then all rows decode in one batched step, each at its own position
+    (SparseCache.load_row; one CUDA graph per step on a GPU). `max_new_tokens`: one for all, or one per prompt.
+
+    Each row attends the keys its own `generate` would (a row whose context is within the budget reads every key;
+    the float sums may run in another order). A fractional budget is resolved against the longest prompt: the rows
+    of a batch share one k."""
+    pfs = list(prefilled) if prefilled is not None else [prefill(lm, p, prefill_chunk) for p in prompts or []]
+    if not pfs:
+        raise SparseKVError("no prompts to generate from")
+    B = len(pfs)
+    limits = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != B:
+        raise SparseKVError(f"{len(limits)} max_new_tokens for {B} prompts")
+    if B == 1:
+        return [generate(lm, None, method, limits[0], dense_layers, stop_on_eos, keep_logits, prefilled=pfs[0])]
+    n = [_prompt(lm, pf.ids, limit).shape[1] for pf, limit in zip(pfs, limits)]
+    cache = make_cache(lm, method, max(n) + max(limits), dense_layers)  # finished rows step on until the last
+    logits = []
+    for b, pf in enumerate(pfs):
+        one = make_cache(lm, method, n[b] + pf.room, dense_layers, pf)
+        logits.append(_load_prefill(one, pf))
+        cache.load_row(b, B, one)
+        one.release()
+    logits = torch.cat(logits)
+    cache.fix_budget()
+    eos = _eos_ids(lm) if stop_on_eos else set()
+    step_fn = make_step(lm, cache)
+    out: list[list[int]] = [[] for _ in range(B)]
+    kept: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    done = [False] * B
+    clock = _StepClock()
+    for step in range(max(limits)):
+        nxt = logits.argmax(-1)
+        clock.tick()
+        for b, t in enumerate(nxt.tolist()):
+            if not done[b]:
+                out[b].append(t)
+                if keep_logits:
+                    kept[b].append(logits[b].float().cpu())
+                done[b] = t in eos or len(out[b]) == limits[b]
+        if all(done):
+            break
+        logits = step_fn(nxt.view(B, 1), [a + step for a in n])
+    stats, timing = cache.stats.summary(), clock.summary()
+    cache.release()
+    return [Generation(o, lm.tokenizer.decode(o, skip_special_tokens=True), a, dict(stats), k, dict(timing))
+            for o, a, k in zip(out, n, kept)]
+
+
 class _StepClock:
     """Wall time of the decode steps, read where the loop already waits for each token on the host: the first step
     (on a GPU it compiles and captures the step's graph) apart from the steady ones after it."""

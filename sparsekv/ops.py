@@ -1,14 +1,189 @@
-"""One dispatch point per kernel op of the decode step's layer (kernels/layer_ops.py): the Triton kernel where kernels
-run (a CUDA device, or SPARSEKV_KERNELS=1), else its torch reference, with the same signature."""
+"""One dispatch point per kernel op: the Triton kernel (`sparsekv.kernels`) or its torch reference
+(`kernels/reference.py`, same signature), chosen here and nowhere else.
+
+The choice: `with ops.kernels(False):` (or True) for the code inside it; else SPARSEKV_KERNELS=0/1 as the process
+default; else the kernels on a CUDA device and the references elsewhere (the kernels also run on the CPU under
+TRITON_INTERPRET=1, which the tests use, but far slower). Kernels take plain tensors and import nothing from the
+package above them; the one op here that takes a library type is `sparse_decode` (a `Selection`), which it turns
+into the kernels' plain arguments.
+"""
 
 from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from sparsekv.kernels import reference as ref
 
-from .sparse_attention import use_kernels
+if TYPE_CHECKING:
+    from .selection import Selection
 
+_forced: ContextVar[bool | None] = ContextVar("sparsekv_kernels", default=None)
+
+
+@contextmanager
+def kernels(on: bool = True):
+    """Run the code inside with the Triton kernels (on=True) or the torch references (False), whatever the device."""
+    token = _forced.set(bool(on))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def use_kernels(device: torch.device | str) -> bool:
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    flag = os.environ.get("SPARSEKV_KERNELS", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return torch.device(device).type == "cuda"
+
+
+def describe(device: torch.device | str) -> str:
+    """Which implementation the ops take on `device`, for results and reports."""
+    return "triton" if use_kernels(device) else "torch-reference"
+
+
+# -- attention --------------------------------------------------------------------------------------------------
+
+def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: "Selection", scale: float,
+                  softcap: float | None = None, check: bool = False) -> torch.Tensor:
+    """q [B, Hq, 1, D] against the keys `sel` names -> [B, Hq, 1, D] (kernels/sparse_decode.py)."""
+    args = sel.decode_args()
+    if use_kernels(q.device):
+        from sparsekv.kernels.sparse_decode import sparse_decode as kernel
+
+        return kernel(q, keys, values, scale, softcap=softcap, check=check, **args)
+    if check:
+        sel.check(q.shape[0], sel.heads(keys.shape[1]))
+    return ref.sparse_decode_reference(q, keys, values, scale, softcap=softcap, **args)
+
+
+def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: int | torch.Tensor,
+                 scale: float, span: int = 0, softcap: float | None = None) -> torch.Tensor:
+    """One query per row over every valid key (the last `span` with a sliding window): split-K flash-decoding."""
+    if use_kernels(q.device):
+        from sparsekv.kernels.sparse_decode import dense_decode as kernel
+
+        return kernel(q, keys, values, lengths, scale, span=span, softcap=softcap)
+    return ref.sparse_decode_reference(q, keys, values, scale, lengths, span=span, dense=True, softcap=softcap)
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, span: int = 0,
+                      softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of the last n = q.shape[2] positions over keys [B, Hkv, L, D] (a prefill chunk after
+    L - n cached keys), with no mask in memory: kernels/prefill_attention.py."""
+    if use_kernels(q.device):
+        from sparsekv.kernels.prefill_attention import prefill_attention as kernel
+
+        return kernel(q, keys, values, scale, span=span, softcap=softcap)
+    return ref.prefill_attention_reference(q, keys, values, scale, span=span, softcap=softcap)
+
+
+def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact q·k (unscaled fp32) of every key, or of those at `indices` (kernels/sparse_decode.py::qk_logits)."""
+    if use_kernels(q.device):
+        from sparsekv.kernels.sparse_decode import qk_logits as kernel
+
+        return kernel(q, keys, indices)
+    return ref.qk_logits_reference(q, keys, indices)
+
+
+def pooled_log_probs(logits: torch.Tensor, group: int, scale: float, softcap: float | None = None,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-softmax of the logits per query head, summed over each group (kernels/exact_scores.py)."""
+    if use_kernels(logits.device):
+        from sparsekv.kernels.exact_scores import pooled_log_probs as kernel
+
+        return kernel(logits, group, scale, softcap, keep)
+    return ref.pooled_log_probs_reference(logits, group, scale, softcap, keep)
+
+
+# -- selection --------------------------------------------------------------------------------------------------
+
+def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim, ties to the lower index (so a row padded with worse
+    scores, as a graph-replayed step's is, chooses the same keys): the select kernels (kernels/topk), exact, no
+    sort; the stable-sort reference elsewhere."""
+    if use_kernels(scores.device):
+        from sparsekv.kernels.topk import topk as kernel
+
+        flat = scores.reshape(-1, scores.shape[-1]).contiguous()
+        return kernel(flat, k).view(*scores.shape[:-1], k)
+    return ref.topk_reference(scores, k)
+
+
+def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True) -> torch.Tensor:
+    """Codes of x [B, H, n, D] (Hadamard first if `transform`), packed: int16 [B, H, n, W] (kernels/adamas.py)."""
+    if use_kernels(x.device):
+        from sparsekv.kernels.adamas import quantize_pack as kernel
+
+        return kernel(x, thresholds, bits=bits, transform=transform)
+    return ref.quantize_pack_reference(x, thresholds, bits, transform)
+
+
+def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor,
+                       start: int | torch.Tensor, bits: int = 2, transform: bool = True) -> None:
+    """quantize_pack written into out_words at [start, start + n) (start: an int or per-row device slots [B])."""
+    if use_kernels(x.device):
+        from sparsekv.kernels.adamas import quantize_pack_into as kernel
+
+        return kernel(x, thresholds, out_words, start, bits=bits, transform=transform)
+    return ref.quantize_pack_into_reference(x, thresholds, out_words, start, bits, transform)
+
+
+def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
+                metric: str = "l1", pool: str | None = None) -> torch.Tensor:
+    """-distance of the query codes to the first `length` key codes, higher = closer (kernels/adamas.py)."""
+    if use_kernels(q_words.device):
+        from sparsekv.kernels.adamas import code_scores as kernel
+
+        return kernel(q_words, k_words, length, d, bits=bits, metric=metric, pool=pool)
+    return ref.code_scores_reference(q_words, k_words, length, d, bits, metric, pool=pool)
+
+
+def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor, length: int, d: int,
+                   bits: int = 2, pool: str | None = None) -> torch.Tensor:
+    """q · (each key's codes read as their buckets' centers) for the first `length` keys (kernels/adamas.py)."""
+    if use_kernels(q.device):
+        from sparsekv.kernels.adamas import code_ip_scores as kernel
+
+        return kernel(q, k_words, centers, length, d, bits, pool=pool)
+    return ref.code_ip_scores_reference(q, k_words, centers, length, d, bits, pool=pool)
+
+
+def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int, metric: str,
+              pool: str | None, offset: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The k nearest keys by code distance, counted in one fused pass (kernels/adamas.py::code_topk), or None where
+    that kernel does not run (the references, or distances too wide for its counting): rank `code_scores` with
+    `topk` then, which chooses the same keys."""
+    if not use_kernels(q_words.device):
+        return None
+    from sparsekv.kernels.adamas import code_topk as kernel
+    from sparsekv.kernels.adamas import code_topk_supported
+
+    group = q_words.shape[1] // k_words.shape[1] if pool else 1
+    if not code_topk_supported(d, bits, metric, group):
+        return None
+    return kernel(q_words, k_words, length, d, k, bits=bits, metric=metric, pool=pool, offset=offset, keep=keep)
+
+
+def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max") -> torch.Tensor:
+    """Quest's page upper bounds of the first `n_pages` pages (kernels/quest.py)."""
+    if use_kernels(q.device):
+        from sparsekv.kernels.quest import page_scores as kernel
+
+        return kernel(q, bounds, n_pages, pool)
+    return ref.quest_scores_reference(q, bounds, n_pages, pool)
+
+
+# -- the decode step's layer (kernels/layer_ops.py) ---------------------------------------------------------------
 
 def _layer_ops(device: torch.device):
     if use_kernels(device):

@@ -18,7 +18,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from sparsekv.kernels.reference import check_positions, decode_positions
+
+from . import ops
 from .errors import SparseKVError
+from .ops import topk
 from .patterns import window_start
 
 
@@ -86,6 +90,29 @@ class Selection:
         """Keys attended per selection head (sink + window + selected)."""
         return self.visible if self.dense else self.sink + self.window + self.n_selected
 
+    def decode_args(self) -> dict:
+        """The step as the kernels take it (plain tensors, kernels/sparse_decode.py): the device lengths when the
+        selection has them (a graph-replayed step) else the host length, the sparse part as token positions."""
+        lengths = self.lengths if self.lengths is not None else self.length
+        extent = self.extent if self.extent is not None or self.lengths is None else self.length
+        indices = self.sparse_positions() if self.has_sparse and not self.dense else None
+        return dict(lengths=lengths, indices=indices, sink=self.sink, window=self.window, span=self.span,
+                    dense=self.dense, extent=extent)
+
+    def positions(self, batch: int, heads: int, lengths: torch.Tensor | None = None, device=None) -> torch.Tensor:
+        """Every position the step reads, [B, H, n] int64 (-1: a slot that reads nothing), in the kernels' slot
+        order; `lengths` [B] overrides the selection's own per-row lengths."""
+        a = self.decode_args()
+        if lengths is not None:
+            a["lengths"] = lengths
+        return decode_positions(batch, heads, a["lengths"], a["indices"], a["sink"], a["window"], a["span"],
+                                a["dense"], device=device)
+
+    def check(self, batch: int, heads: int, lengths: torch.Tensor | None = None) -> None:
+        """Reject duplicate positions (a key attended twice): a sort and a host sync, for tests and debugging."""
+        dev = next((t.device for t in (self.indices, self.blocks, self.buckets) if t is not None), None)
+        check_positions(self.positions(batch, heads, lengths, device=dev))
+
     def sparse_positions(self) -> torch.Tensor:
         """The sparse part as padded token positions [B, H, n] (-1 = none), whatever its form."""
         if self.indices is not None:
@@ -105,21 +132,24 @@ class Selection:
 
 
 def _csr_positions(sel: Selection) -> torch.Tensor:
-    B, H, _ = sel.buckets.shape
-    rows = []
-    for b in range(B):
-        for h in range(H):
-            parts = [
-                sel.bucket_tokens[b, h, sel.bucket_offsets[b, h, i] : sel.bucket_offsets[b, h, i + 1]]
-                for i in sel.buckets[b, h].tolist()
-                if i >= 0
-            ]
-            rows.append(torch.cat(parts) if parts else sel.buckets.new_empty(0))
-    n = max((r.numel() for r in rows), default=0)
-    out = sel.buckets.new_full((B * H, n), -1)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out.view(B, H, n)
+    """CSR bucket lists -> padded token positions [B, H, n] (-1 pads), on the device, without a Python loop."""
+    B, H, nl = sel.buckets.shape
+    off = sel.bucket_offsets.long()
+    valid = sel.buckets >= 0
+    bk = sel.buckets.clamp(min=0).long()
+    starts = off.gather(-1, bk)
+    counts = torch.where(valid, off.gather(-1, bk + 1) - starts, 0)
+    # n is data-dependent; a bound keeps shapes static: every token belongs to at most one bucket
+    n = sel.bucket_tokens.shape[-1]
+    ends = counts.cumsum(-1)  # [B, H, nl]
+    slot = torch.arange(n, device=bk.device).view(1, 1, -1)
+    which = torch.searchsorted(ends, slot.expand(B, H, -1).contiguous(), right=True)  # bucket of each slot
+    ok = which < nl
+    which = which.clamp(max=nl - 1)
+    before = torch.where(which > 0, ends.gather(-1, (which - 1).clamp(min=0)), 0)
+    src = starts.gather(-1, which) + (slot - before)
+    tok = sel.bucket_tokens.long().gather(-1, src.clamp(max=n - 1))
+    return torch.where(ok, tok, -1)
 
 
 def resolve_budget(budget: float, length: int) -> int:
@@ -244,19 +274,11 @@ def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: tor
     (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, fp32 sums), elsewhere from its torch
     reference. `keep` (bool [B, 1, m], BudgetSplit.keep): keys outside it get no probability (-inf). The softmax and
     the group's sum are `kernels/exact_scores.py::pooled_log_probs` (its reference off the GPU)."""
-    from .sparse_attention import use_kernels
-
-    if use_kernels(q.device):
-        from sparsekv.kernels.exact_scores import pooled_log_probs
-        from sparsekv.kernels.sparse_decode import qk_logits
-    else:
-        from sparsekv.kernels.reference import pooled_log_probs_reference as pooled_log_probs
-        from sparsekv.kernels.reference import qk_logits_reference as qk_logits
     if pooling not in ("group", "head"):
         raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
     group = q.shape[1] // keys.shape[1] if pooling == "group" else 1
-    return pooled_log_probs(qk_logits(q, keys, indices), group, q.shape[-1] ** -0.5 if scale is None else scale,
-                            softcap, keep)
+    return ops.pooled_log_probs(ops.qk_logits(q, keys, indices), group,
+                                q.shape[-1] ** -0.5 if scale is None else scale, softcap, keep)
 
 
 def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, scale: float | None = None,
@@ -277,34 +299,13 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
                    split: BudgetSplit) -> Selection | None:
     """The kernels' path for methods that rank keys by code distance (Adamas, LSH): the k = split.k keys of
     [split.lo, split.hi) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
-    summed over each GQA group with pooling "group", by `kernels/adamas.py::code_topk` (int16 distances, then the
-    counting select). None when those distances are too wide for it: rank `code_scores` with `topk` then."""
-    from sparsekv.kernels.adamas import code_topk, code_topk_supported
-
+    summed over each GQA group with pooling "group", by `ops.code_topk` (int16 distances, then the counting
+    select). None where that kernel does not run (the references, or distances too wide for it): rank
+    `code_scores` with `topk` then."""
     pool = "sum" if pooling == "group" else None
-    group = q_words.shape[1] // codes.shape[1] if pool else 1
-    if not code_topk_supported(d, bits, metric, group):
-        return None
     lo, hi = split.lo, split.hi
     k = min(split.k, hi - lo)
     if k <= 0:
         return split.selection()
-    idx = code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits=bits, metric=metric, pool=pool, offset=lo,
-                    keep=split.keep())
-    return split.selection(indices=idx, padded=False)
-
-
-def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim, ties to the lower index (so a row padded with worse scores,
-    as a graph-replayed step's is, chooses the same keys): our select kernels on the GPU (`kernels/topk.py`, exact, no
-    sort; the fused path unless $SPARSEKV_TOPK says: `default_path`), their stable-sort reference elsewhere."""
-    from .sparse_attention import use_kernels
-
-    if use_kernels(scores.device):
-        from sparsekv.kernels.topk import topk as select_topk
-
-        flat = scores.reshape(-1, scores.shape[-1]).contiguous()
-        return select_topk(flat, k).view(*scores.shape[:-1], k)
-    from sparsekv.kernels.reference import topk_reference
-
-    return topk_reference(scores, k)
+    idx = ops.code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits, metric, pool, offset=lo, keep=split.keep())
+    return None if idx is None else split.selection(indices=idx, padded=False)

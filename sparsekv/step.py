@@ -2,10 +2,9 @@
 graph, replayed for every token.
 
 Why: a decode step is bound by the CPU when it is launched from Python. SmolLM2 (30 layers) launches ~925 kernels per
-token from eager transformers code, ~45 ms of CPU for ~2.3 ms of GPU work on the H100 machine
-(results/decode-token-cost-h100.json); with Llama-3-8B's shape at long context a query-aware method's select and
-attention, launched eagerly, cost more than the keys they save (benchmarks/BENCHMARKS.md has the graph-replayed
-speeds). So the whole step - embedding, every layer's norms, projections, RoPE, K/V write, the method's index
+token from eager transformers code, far more CPU time than its GPU work takes; with Llama-3-8B's shape at long
+context a query-aware method's select and attention, launched eagerly, cost more than the keys they save
+(benchmarks/BENCHMARKS.md has the graph-replayed speeds). So the whole step - embedding, every layer's norms, projections, RoPE, K/V write, the method's index
 update and select, the sparse attention, the MLP, the head - is captured once per cache and regime and replayed
 (vLLM, SGLang and FlashInfer decode the same way). The rules that make a method capturable are in
 sparsekv/methods/base.py: lengths and write slots live on the device (`SparseCache.begin_step`), selection regions
@@ -14,6 +13,7 @@ are sized to the cache (`SparseCache.set_extent`) and masked on the device, noth
 A graph holds what the host decided when it was captured: for each layer whether its budget is below what it sees
 (`SparseCache.regime`). That changes at most once per layer in a generation, when the context outgrows the budget;
 a new regime is captured on first use (one eager step that also compiles and allocates, then the capture).
+A batch decodes in one step, each row at its own position (`SparseCache.load_row`), its own graphs per batch size.
 
 The split forward is written for the Llama family (llama, mistral, qwen2, qwen3, sliding windows included; not a
 RoPE whose tables change with the length): the transformers layer code it mirrors is short and shared by those
@@ -38,7 +38,15 @@ from .errors import SparseKVError
 from .models import LoadedModel, cache_kwarg
 from .patterns import FAMILIES
 
-StepFn = Callable[[torch.Tensor, int], torch.Tensor]  # (token ids [1, 1], position) -> logits [1, vocab]
+# (token ids [B, 1], position: one for every row or one per row) -> logits [B, vocab]
+StepFn = Callable[[torch.Tensor, "int | list[int]"], torch.Tensor]
+
+
+def position_ids(pos: int | list[int], batch: int, device: torch.device) -> torch.Tensor:
+    """[B, 1] position ids of a decode step: `pos` for every row, or one per row."""
+    if isinstance(pos, int):
+        return torch.full((batch, 1), pos, dtype=torch.long, device=device)
+    return torch.tensor(pos, dtype=torch.long).view(batch, 1).to(device, non_blocking=True)
 
 SPLIT_FAMILIES = tuple(k for k, f in FAMILIES.items() if f.split)
 
@@ -112,7 +120,7 @@ class SplitForward:
         return out.reshape(*out.shape[:2], -1)
 
     def forward(self, cache: SparseCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Logits [1, vocab] of token [1, 1] at position ids [1, 1]; the cache's begin_step has been called. The
+        """Logits [B, vocab] of tokens [B, 1] at position ids [B, 1]; the cache's begin_step has been called. The
         residual stream h takes each sublayer's output in the next RMSNorm's fused add."""
         h = self.base.embed_tokens(token)
         cos, sin = self.base.rotary_emb(h, pos)
@@ -129,10 +137,11 @@ class SplitForward:
         return self.causal.lm_head(x)[:, -1]
 
     @torch.no_grad()
-    def step(self, cache: SparseCache, token: torch.Tensor, pos: int) -> torch.Tensor:
+    def step(self, cache: SparseCache, token: torch.Tensor, pos: int | list[int]) -> torch.Tensor:
         """The whole step eagerly (the CPU path of the tests; a graph replays the same calls)."""
         cache.begin_step(pos)
-        return self.forward(cache, token.view(1, 1), torch.tensor([[pos]], device=token.device))
+        token = token.view(-1, 1)
+        return self.forward(cache, token, position_ids(pos, token.shape[0], token.device))
 
 
 def _joined(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -171,32 +180,38 @@ class StepGraph:
     def __init__(self, split: SplitForward, cache: SparseCache):
         dev = split.lm.device
         self.split, self.cache = split, cache
-        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.token: torch.Tensor | None = None  # [B, 1], made at the first step (its batch size)
+        self.pos: torch.Tensor | None = None
+        self.device = dev
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
         cache.set_extent(cache.max_len)  # every step, eager or replayed, selects over regions sized to the cache
 
     @torch.no_grad()
-    def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """Logits [1, vocab] for `token` at `pos`: the graph's own output, valid until the next step."""
+    def step(self, token: torch.Tensor, pos: int | list[int]) -> torch.Tensor:
+        """Logits [B, vocab] for tokens [B, 1] at `pos` (one for every row, or one per row): the graph's own
+        output, valid until the next step."""
         c = self.cache
         c.begin_step(pos)
-        self.token.copy_(token.view(1, 1))
-        self.pos.fill_(pos)
+        token = token.view(-1, 1)
+        if self.token is None:
+            self.token = torch.zeros_like(token, device=self.device)
+            self.pos = torch.zeros_like(self.token)
+        self.token.copy_(token)
+        self.pos.copy_(position_ids(pos, token.shape[0], self.device))
         regime = c.regime()
         hit = self.graphs.get(regime)
         if hit is None:
             return self._capture(regime)
         graph, out, entries = hit
         graph.replay()
-        c.stats.replay(entries, pos + 1)
+        c.stats.replay(entries, c.step_pos + 1)
         return out
 
     def _capture(self, regime: tuple) -> torch.Tensor:
         """Run this step eagerly on a side stream (it compiles kernels and allocates their scratch, as
         torch.cuda.graph asks), then capture it; the eager run's logits are this step's."""
-        c, dev = self.cache, self.token.device
+        c, dev = self.cache, self.device
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -216,10 +231,11 @@ class StepGraph:
 def _eager_step(lm: LoadedModel, cache: SparseCache) -> StepFn:
     given = cache_kwarg(lm.model, cache)
 
-    def step(token: torch.Tensor, pos: int) -> torch.Tensor:
+    def step(token: torch.Tensor, pos: int | list[int]) -> torch.Tensor:
         cache.begin_step(pos)
-        p = torch.tensor([[pos]], device=token.device)
-        return lm.model(input_ids=token.view(1, 1), **given, position_ids=p, use_cache=True).logits[:, -1]
+        token = token.view(-1, 1)
+        p = position_ids(pos, token.shape[0], token.device)
+        return lm.model(input_ids=token, **given, position_ids=p, use_cache=True).logits[:, -1]
 
     return step
 

@@ -156,24 +156,31 @@ def test_e2e_rows_and_json(tmp_path):
     speedup against dense of the same run, the floor and the decode path."""
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "120,200", "--methods", "dense,oracle,quest", "--budget",
-                 "32", "--new-tokens", "5", "--json", str(out), "--plot", str(png))
+                 "32", "--new-tokens", "5", "--batch", "1,3", "--prefill-chunk", "64", "--json", str(out), "--plot",
+                 str(png))
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert [(x["seq"], x["method"]) for x in rows] == [(s, m) for s in (120, 200) for m in ("dense", "oracle", "quest")]
+    assert [(x["seq"], x["batch"], x["method"]) for x in rows] == \
+        [(s, b, m) for s in (120, 200) for b in (1, 3) for m in ("dense", "oracle", "quest")]
     for x in rows:
-        assert x["ms_per_token"] > 0 and x["tokens_per_s"] == pytest.approx(1e3 / x["ms_per_token"], rel=1e-3)
+        assert x["ms_per_token"] > 0
+        assert x["tokens_per_s"] == pytest.approx(x["batch"] * 1e3 / x["ms_per_token"], rel=1e-3)
         assert x["steps"] == 3 and x["floor_ms"] > 0 and x["decode_path"]
-        assert x["speedup_vs_dense"] == pytest.approx(
-            next(d["ms_per_token"] for d in rows if d["seq"] == x["seq"] and d["method"] == "dense") / x["ms_per_token"],
-            rel=1e-3)
+        assert x["speedup_vs_dense"] == pytest.approx(next(
+            d["ms_per_token"] for d in rows if (d["seq"], d["batch"], d["method"]) == (x["seq"], x["batch"], "dense"))
+            / x["ms_per_token"], rel=1e-3)
+    floor = {(x["seq"], x["batch"]): x["floor_ms"] for x in rows}
+    assert floor[(200, 3)] > floor[(200, 1)] > floor[(120, 1)]  # every row's K/V counts
     assert rows[1]["budget"] == 32 and rows[1]["selectivity"] < 0.3 and rows[0]["budget"] is None
-    assert res["config"]["batch"] == 1 and res["config"]["weights_bytes"] > 0 and png.stat().st_size > 0
+    assert res["config"]["batch"] == [1, 3] and res["config"]["prefill_chunk"] == 64
+    assert res["config"]["weights_bytes"] > 0 and png.stat().st_size > 0
     assert "whole-model decode" in r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--batch", "2"], "batch 1"),
+    (["--batch", "0"], "--batch must be positive"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be positive"),
     (["--budget", "32,64"], "one --budget"),
     (["--methods", "dense,bogus"], "unknown method(s) bogus"),
     (["--seq", "5000"], "exceed tiny-random(seed=0)'s context"),

@@ -31,6 +31,8 @@ def sparsekv(*args):
      "niah_bogus"),
     (["eval", "--model", "tiny-random", "--task", "ruler", "--haystack-file", "/nonexistent/h.txt"],
      "haystack file not found"),
+    (["eval", "--model", "tiny-random", "--batch-size", "0"], "--batch-size must be positive"),
+    (["eval", "--model", "tiny-random", "--task", "ppl", "--batch-size", "2"], "--batch-size applies to passkey"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     r = sparsekv(*args)

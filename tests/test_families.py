@@ -10,7 +10,6 @@ import torch
 
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
-from sparsekv.kernels.reference import selection_positions
 from sparsekv.methods import get_method
 from sparsekv.models import LoadedModel, byte_tokenizer, wire
 from sparsekv.patterns import FAMILIES, check_call, model_patterns
@@ -117,6 +116,32 @@ def test_dense_decodes_as_transformers(family, one_thread):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_chunked_prefill_equals_whole_prefill(family, one_thread, monkeypatch):
+    """A prompt prefilled in chunks (each after the cached keys, sliding windows and softcaps applied by our own
+    attention, no mask built) gives the keys, values and logits of one whole prefill, which are transformers' own
+    (its eager attention), and transformers' mask builder is never asked for an n x L mask."""
+    import sparsekv.attention as attention
+    from sparsekv.decode import prefill
+
+    lm = build(family)
+    ids = _ids(3)
+    lm.model.set_attn_implementation("eager")
+    try:
+        theirs = lm.model(ids).logits[:, -1].float()
+    finally:
+        wire(lm)
+    whole = prefill(lm, ids)
+    torch.testing.assert_close(whole.logits.float(), theirs, atol=2e-4, rtol=2e-4)
+    built = []
+    monkeypatch.setattr(attention, "sdpa_mask", lambda *a, **kw: built.append(1))
+    parts = prefill(lm, ids, prefill_chunk=24)  # 100 tokens: 24 + 24 + 24 + 24 + 4, windows of 32
+    assert built == []
+    torch.testing.assert_close(parts.logits, whole.logits, atol=2e-4, rtol=2e-4)
+    for a, b in zip(parts.keys + parts.values, whole.keys + whole.values):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m[0] + "".join(f"-{v}" for v in m[1].values()))
 def test_budget_covering_what_layers_see_equals_dense(family, method, one_thread):
     """With a budget >= the visible context every method is exact. Where every layer slides (mistral, mixtral,
@@ -151,7 +176,7 @@ def test_small_budgets_select_only_keys_the_layer_sees(family, method, monkeypat
 
     def checked(state, q, q_pre):
         sel = select(state, q, q_pre)
-        pos = selection_positions(sel, 1, sel.heads(state.keys.shape[1]))
+        pos = sel.positions(1, sel.heads(state.keys.shape[1]))
         read = pos[pos >= 0]
         lo = max(0, state.length - state.pattern.span) if state.pattern.span else 0
         assert sel.start == lo and not sel.dense

@@ -8,7 +8,6 @@ import torch
 
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
-from sparsekv.kernels.reference import check_selection, selection_positions
 from sparsekv.methods import CacheShape, get_method
 from sparsekv.methods.lsh import pack_signs
 
@@ -110,7 +109,7 @@ def test_quest_hand_built_selection():
     assert m.page_scores(st, torch.tensor(HAND_Q).view(1, 2, 1, 2), 0, 5).tolist() == [[[0, 6, 4, 5, 0]]]
     assert (sel.sink, sel.window, sel.block_size, sel.length) == (0, 0, 4, 21)
     assert sorted(sel.blocks[0, 0].tolist()) == [1, 3, 5]  # page 5: the newest key's
-    read = selection_positions(sel, 1, 1)[0, 0]
+    read = sel.positions(1, 1)[0, 0]
     assert sorted(read[read >= 0].tolist()) == [4, 5, 6, 7, 12, 13, 14, 15, 20]
     assert sel.attended() == 9 and sel.n_selected == 9
     _, _, per_head = quest_hand(pooling="head")
@@ -151,8 +150,8 @@ def test_quest_window_is_the_last_page_and_budget_is_honest():
                 assert sel.window == 0 and sel.blocks.shape[-1] == budget // S
                 assert (sel.blocks[..., -1] == (L - 1) // S).all()
                 assert sel.n_selected == (budget // S - 1) * S + fill  # whole pages and the newest one's keys
-            check_selection(sel, 1, 2)
-            pos = selection_positions(sel, 1, 2)
+            sel.check(1, 2)
+            pos = sel.positions(1, 2)
             assert (pos >= 0).sum(-1).eq(sel.attended()).all()
 
 
@@ -169,7 +168,7 @@ def test_quest_explicit_sink_window_clip_pages(sink, window, budget, S):
         sparse = sel.sparse_positions() if sel.has_sparse else torch.empty(0)
         got = sparse[sparse >= 0]
         assert ((got >= sink) & (got < L - window)).all()  # never inside the dense part
-        check_selection(sel, 1, 2)
+        sel.check(1, 2)
         assert sel.attended() <= budget
         if sel.has_sparse:
             assert sel.blocks.shape[-1] == (budget - sink - window) // S
@@ -231,7 +230,7 @@ def test_lsh_finds_a_planted_key_and_keeps_out_of_the_dense_part():
     assert (sel.sink, sel.window, sel.n_selected) == (4, 8, 12)
     got = sel.indices[0, 0]
     assert ((got >= 4) & (got < 300 - 8)).all()
-    check_selection(sel, 1, 1)
+    sel.check(1, 1)
 
 
 def test_lsh_hyperplanes():
@@ -355,5 +354,5 @@ def test_bench_rows():
     assert quest["method_config"]["page_size"] == 16 and lsh["method_config"]["nbits"] == 128
     D, Hkv = 64, 3
     assert quest["bytes"]["select"] == B * Hkv * (L // 16) * 2 * D * 4  # max and min of each page
-    # 128 bits = 8 int16 words per key, and the hyperplanes the query is hashed with
-    assert lsh["bytes"]["select"] == B * Hkv * L * 8 * 2 + Hkv * D * 128 * 4
+    # 128 bits = 8 int16 words per key, the hyperplanes the query is hashed with and its sign threshold (fp32)
+    assert lsh["bytes"]["select"] == B * Hkv * L * 8 * 2 + Hkv * D * 128 * 4 + 4

@@ -5,11 +5,27 @@ import pytest
 import torch
 
 from sparsekv.kernels.reference import qk_logits_reference, sparse_decode_reference
-from sparsekv.kernels.sparse_decode import csr_to_indices, dense_decode, qk_logits, sparse_decode
+from sparsekv.kernels.sparse_decode import dense_decode, qk_logits, sparse_decode
 from sparsekv.selection import Selection
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+
+
+def _args(sel, lengths):
+    a = sel.decode_args()
+    if lengths is not None:  # rows of their own lengths
+        a["lengths"] = lengths
+    return a
+
+
+def kernel(q, k, v, sel, scale, lengths=None, **kw):
+    """The kernel on a Selection's plain arguments (as ops.sparse_decode passes them)."""
+    return sparse_decode(q, k, v, scale, **_args(sel, lengths), **kw)
+
+
+def reference(q, k, v, sel, scale, lengths=None, **kw):
+    return sparse_decode_reference(q, k, v, scale, **_args(sel, lengths), **kw)
 
 
 def _data(B, Hkv, G, L, D, dtype, seed=0, extra=5):
@@ -41,21 +57,21 @@ def test_indices_match_reference(G, dtype):
     B, Hkv, L, D = 2, 2, 211, 64
     q, k, v = _data(B, Hkv, G, L, D, dtype, seed=G)
     sel = Selection(L, sink=4, window=16, indices=_indices(B, Hkv, L, 4, 16, 41, seed=G, pad=3))
-    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), dtype)
+    _close(kernel(q, k, v, sel, D**-0.5), reference(q, k, v, sel, D**-0.5), dtype)
 
 
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 def test_head_dims(D):
     q, k, v = _data(1, 2, 4, 97, D, torch.float32, seed=D)
     sel = Selection(97, sink=2, window=8, indices=_indices(1, 2, 97, 2, 8, 13, seed=D))
-    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), torch.float32)
+    _close(kernel(q, k, v, sel, D**-0.5), reference(q, k, v, sel, D**-0.5), torch.float32)
 
 
 def test_per_query_head_selection():
     B, Hkv, G, L, D = 1, 2, 4, 150, 64
     q, k, v = _data(B, Hkv, G, L, D, torch.float32)
     sel = Selection(L, sink=4, window=8, indices=_indices(B, Hkv * G, L, 4, 8, 17))
-    _close(sparse_decode(q, k, v, sel, 0.1), sparse_decode_reference(q, k, v, sel, 0.1), torch.float32)
+    _close(kernel(q, k, v, sel, 0.1), reference(q, k, v, sel, 0.1), torch.float32)
 
 
 def test_blocks_match_reference():
@@ -63,7 +79,7 @@ def test_blocks_match_reference():
     q, k, v = _data(B, Hkv, G, L, D, torch.float32)
     blocks = torch.tensor([[[1, 5, -1], [2, 12, 0]], [[7, -1, -1], [4, 8, 11]]], device=DEV)  # 12: clipped tail
     sel = Selection(L, sink=4, window=16, blocks=blocks, block_size=16)
-    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), torch.float32)
+    _close(kernel(q, k, v, sel, D**-0.5), reference(q, k, v, sel, D**-0.5), torch.float32)
 
 
 def test_csr_matches_reference():
@@ -76,29 +92,39 @@ def test_csr_matches_reference():
                     bucket_offsets=offsets.contiguous(), bucket_tokens=tokens)
     sel = Selection(L, 4, 8, buckets=sel.buckets.to(DEV), bucket_offsets=sel.bucket_offsets.to(DEV),
                     bucket_tokens=sel.bucket_tokens.to(DEV))
-    idx = csr_to_indices(sel)
+    idx = sel.sparse_positions()
     assert sorted(t for t in idx[0, 0].tolist() if t >= 0) == sorted(tokens[0, 0, 25:60].tolist() + tokens[0, 0, :10].tolist())
-    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), torch.float32)
+    _close(kernel(q, k, v, sel, D**-0.5), reference(q, k, v, sel, D**-0.5), torch.float32)
 
 
 def test_empty_selections():
     q, k, v = _data(1, 2, 4, 50, 64, torch.float32)
     only_dense = Selection(50, sink=4, window=8)
-    _close(sparse_decode(q, k, v, only_dense, 0.1), sparse_decode_reference(q, k, v, only_dense, 0.1), torch.float32)
+    _close(kernel(q, k, v, only_dense, 0.1), reference(q, k, v, only_dense, 0.1), torch.float32)
     nothing = Selection(50, indices=torch.full((1, 2, 5), -1, device=DEV))
-    out = sparse_decode(q, k, v, nothing, 0.1)
+    out = kernel(q, k, v, nothing, 0.1)
     assert torch.equal(out, torch.zeros_like(out))  # reads no key: zeros, never NaN
-    _close(out, sparse_decode_reference(q, k, v, nothing, 0.1), torch.float32)
+    _close(out, reference(q, k, v, nothing, 0.1), torch.float32)
 
 
 def test_duplicate_indices_are_rejected():
     q, k, v = _data(1, 2, 4, 60, 64, torch.float32)
     idx = torch.tensor([[[10, 11, 10], [20, 21, 22]]], device=DEV)
     with pytest.raises(ValueError, match="duplicate"):
-        sparse_decode(q, k, v, Selection(60, indices=idx), 0.1, check=True)
-    clash = torch.tensor([[[2, 11, 12], [20, 21, 22]]], device=DEV)  # position 2 is also a sink token
-    with pytest.raises(ValueError, match="duplicate"):
-        sparse_decode(q, k, v, Selection(60, sink=4, indices=clash), 0.1, check=True)
+        kernel(q, k, v, Selection(60, indices=idx), 0.1, check=True)
+
+
+def test_sparse_positions_in_the_dense_part_read_nothing():
+    """A sparse position inside the sink or the window, or past the row's end, is not read (a short row of a
+    graph-replayed batch may be handed such): the step equals the one without it, on both paths."""
+    q, k, v = _data(2, 2, 4, 60, 64, torch.float32)
+    lens = torch.tensor([60, 40], device=DEV)
+    clash = torch.tensor([[[2, 11, 12], [20, 57, 22]], [[2, 11, 12], [20, 36, 45]]], device=DEV)
+    clean = torch.tensor([[[-1, 11, 12], [20, -1, 22]], [[-1, 11, 12], [20, -1, -1]]], device=DEV)
+    kernel(q, k, v, Selection(60, sink=4, window=8, indices=clash), 0.1, lengths=lens, check=True)  # no duplicate
+    for fn in (kernel, reference):
+        got = fn(q, k, v, Selection(60, sink=4, window=8, indices=clash), 0.1, lengths=lens)
+        _close(got, fn(q, k, v, Selection(60, sink=4, window=8, indices=clean), 0.1, lengths=lens), torch.float32)
 
 
 def test_batch_rows_with_different_lengths():
@@ -108,12 +134,12 @@ def test_batch_rows_with_different_lengths():
     idx = _indices(B, Hkv, L, 4, 16, 30)
     idx = torch.where(idx < lens.view(B, 1, 1) - 16, idx, -1)
     sel = Selection(L, sink=4, window=16, indices=idx)
-    out = sparse_decode(q, k, v, sel, 0.1, lengths=lens)
-    _close(out, sparse_decode_reference(q, k, v, sel, 0.1, lengths=lens), torch.float32)
+    out = kernel(q, k, v, sel, 0.1, lengths=lens)
+    _close(out, reference(q, k, v, sel, 0.1, lengths=lens), torch.float32)
     # each row equals a batch-1 call at its own length
     for b in range(B):
         one = Selection(int(lens[b]), 4, 16, indices=idx[b : b + 1])
-        _close(out[b : b + 1], sparse_decode(q[b : b + 1], k[b : b + 1], v[b : b + 1], one, 0.1), torch.float32)
+        _close(out[b : b + 1], kernel(q[b : b + 1], k[b : b + 1], v[b : b + 1], one, 0.1), torch.float32)
 
 
 def _spec(q, k, v, allowed, scale, softcap=None):
@@ -147,18 +173,18 @@ def test_sliding_window_and_softcap(softcap, dtype):
     allowed.scatter_(2, idx, True)
     allowed = allowed.repeat_interleave(G, 1)
     scale = D**-0.5
-    ref = sparse_decode_reference(q, k, v, sparse, scale, softcap=softcap)
+    ref = reference(q, k, v, sparse, scale, softcap=softcap)
     _close(ref, _spec(q, k, v, allowed, scale, softcap).to(dtype), dtype)
-    _close(sparse_decode(q, k, v, sparse, scale, softcap=softcap), ref, dtype)
+    _close(kernel(q, k, v, sparse, scale, softcap=softcap), ref, dtype)
     window_only = torch.zeros_like(allowed)
     window_only[..., lo:] = True
     dense = Selection(L, dense=True, span=span)
-    ref = sparse_decode_reference(q, k, v, dense, scale, softcap=softcap)
+    ref = reference(q, k, v, dense, scale, softcap=softcap)
     _close(ref, _spec(q, k, v, window_only, scale, softcap).to(dtype), dtype)
     _close(dense_decode(q, k, v, L, scale, span=span, softcap=softcap), ref, dtype)
-    _close(sparse_decode(q, k, v, dense, scale, softcap=softcap), ref, dtype)
+    _close(kernel(q, k, v, dense, scale, softcap=softcap), ref, dtype)
     short = Selection(30, dense=True, span=span)  # fewer keys than the window: all of them
-    _close(sparse_decode(q, k, v, short, scale, softcap=softcap),
+    _close(kernel(q, k, v, short, scale, softcap=softcap),
            _spec(q, k, v, torch.ones(B, Hkv * G, 30, dtype=torch.bool, device=DEV), scale, softcap).to(dtype), dtype)
 
 
@@ -181,10 +207,10 @@ def test_sliding_window_with_ragged_rows():
 def test_dense_decode_matches_reference(G):
     q, k, v = _data(2, 2, G, 333, 64, torch.float32, seed=G)
     full = Selection(333, dense=True)
-    _close(dense_decode(q, k, v, 333, 0.125), sparse_decode_reference(q, k, v, full, 0.125), torch.float32)
+    _close(dense_decode(q, k, v, 333, 0.125), reference(q, k, v, full, 0.125), torch.float32)
     lens = torch.tensor([333, 100], device=DEV)
     _close(dense_decode(q, k, v, lens, 0.125),
-           sparse_decode_reference(q, k, v, Selection(338, dense=True), 0.125, lengths=lens), torch.float32)
+           reference(q, k, v, Selection(338, dense=True), 0.125, lengths=lens), torch.float32)
 
 
 def test_dense_attention_decode_runs_the_kernel(monkeypatch):
@@ -198,7 +224,7 @@ def test_dense_attention_decode_runs_the_kernel(monkeypatch):
     ref = dense_attention(q, k, v, 0.125)
     calls = []
     monkeypatch.setattr(kmod, "dense_decode", lambda *a, **kw: calls.append(1) or kmod.sparse_decode(
-        a[0], a[1], a[2], Selection(a[3], dense=True), a[4]))
+        a[0], a[1], a[2], a[4], a[3], dense=True))
     monkeypatch.setenv("SPARSEKV_KERNELS", "1")
     _close(dense_attention(q, k, v, 0.125), ref, torch.float32)
     assert calls == [1]
@@ -255,8 +281,8 @@ def test_gpu_real_shapes(dtype):
     B, Hkv, G, L, D = 1, 8, 4, 131072, 128
     q, k, v = _data(B, Hkv, G, L, D, dtype, extra=0)
     sel = Selection(L, sink=128, window=512, indices=_indices(B, Hkv, L, 128, 512, 2048))
-    _close(sparse_decode(q, k, v, sel, D**-0.5), sparse_decode_reference(q, k, v, sel, D**-0.5), dtype)
-    _close(dense_decode(q, k, v, L, D**-0.5), sparse_decode_reference(q, k, v, Selection(L, dense=True), D**-0.5),
+    _close(kernel(q, k, v, sel, D**-0.5), reference(q, k, v, sel, D**-0.5), dtype)
+    _close(dense_decode(q, k, v, L, D**-0.5), reference(q, k, v, Selection(L, dense=True), D**-0.5),
            dtype)
 
 
@@ -296,3 +322,22 @@ def test_pooled_log_probs_matches_reference(group, softcap):
         torch.testing.assert_close(got.exp(), summed, atol=1e-6, rtol=1e-4)
     nothing = torch.zeros(B, 1, n, dtype=torch.bool, device=DEV)
     assert torch.isneginf(pooled_log_probs(logits, group, 0.3, softcap, nothing)).all()
+
+
+def test_a_row_rounds_as_it_would_alone():
+    """A row's split-K partition depends on the row alone, not on the batch it decodes in nor on the cache's capacity:
+    its output is bit for bit its batch-1 output (so a batch's greedy tokens are its rows' own), dense and sparse."""
+    B, Hkv, G, L, D = 3, 2, 4, 700, 64
+    q, k, v = _data(B, Hkv, G, L, D, torch.float32, seed=4)
+    lens = torch.tensor([700, 333, 520], device=DEV)
+    idx = _indices(B, Hkv, 330, 4, 16, 150, seed=4)
+    batch_dense = dense_decode(q, k, v, lens, 0.1)
+    batch_sparse = sparse_decode(q, k, v, 0.1, lens, idx, sink=4, window=16)
+    for b in range(B):
+        n, rows = int(lens[b]), slice(b, b + 1)
+        cap = n + 37 * (b + 1)  # another capacity than the batch's
+        alone = dense_decode(q[rows], k[rows, :, :cap], v[rows, :, :cap], lens[rows], 0.1)
+        assert torch.equal(alone, batch_dense[rows])
+        alone = sparse_decode(q[rows], k[rows, :, :cap], v[rows, :, :cap], 0.1, lens[rows], idx[rows], sink=4,
+                              window=16)
+        assert torch.equal(alone, batch_sparse[rows])

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..errors import SparseKVError
 from ..methods import CacheShape, LayerState, get_method
 from ..selection import Selection
-from ..sparse_attention import sparse_decode, use_kernels
+from .. import ops
 from .floor import floor_us
 from .shapes import Shape
 from .timing import Timing, plan_rotation, time_steps
@@ -95,8 +95,8 @@ def kernel_backends(device: torch.device) -> dict:
     """Which implementation runs the attention: the Triton kernels when they import (on a GPU), else the torch
     reference, with the import error kept for the result."""
     out = {"sparse_decode": "torch-reference", "dense_decode": "torch-reference", "topk": "torch.topk", "errors": {}}
-    if not use_kernels(device):
-        out["reason"] = "no CUDA device" if device.type != "cuda" else "SPARSEKV_KERNELS=0"
+    if not ops.use_kernels(device):
+        out["reason"] = "no CUDA device" if device.type != "cuda" else "kernels turned off (SPARSEKV_KERNELS=0)"
         return out
     tag = "triton (interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "triton"
     for name in ("sparse_decode", "dense_decode"):
@@ -141,12 +141,12 @@ class DecodeBench:
             st.length = L
             method.append(st, x.k_new, x.v_new, x.k_new if pre else None, L - 1)
             sel = method.select(st, x.q, x.q if pre else None)
-            return sparse_decode(x.q, x.keys, x.values, sel, self.scale)
+            return ops.sparse_decode(x.q, x.keys, x.values, sel, self.scale)
 
         return step
 
     def _attend_only(self, x: Inputs):
-        return lambda: sparse_decode(x.q, x.keys, x.values, x.sel, self.scale)
+        return lambda: ops.sparse_decode(x.q, x.keys, x.values, x.sel, self.scale)
 
     def _sdpa_step(self, x: Inputs, backend, expand: bool):
         from torch.nn.attention import sdpa_kernel
@@ -165,15 +165,7 @@ class DecodeBench:
 
     def _flashdecode_step(self, x: Inputs):
         L = self.seq
-        if self.kernels["dense_decode"].startswith("triton"):
-            from sparsekv.kernels.sparse_decode import dense_decode
-
-            attend = lambda: dense_decode(x.q, x.keys, x.values, L, self.scale)
-        else:
-            from sparsekv.kernels.reference import sparse_decode_reference
-
-            dense = Selection(L, dense=True)
-            attend = lambda: sparse_decode_reference(x.q, x.keys, x.values, dense, self.scale)
+        attend = lambda: ops.dense_decode(x.q, x.keys, x.values, L, self.scale)
 
         def step():
             self._write(x)

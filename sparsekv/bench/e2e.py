@@ -1,8 +1,8 @@
 """`sparsekv bench --e2e`: what users see, a whole model's decode speed per method at long context.
 
-For each context length one random prompt is prefilled densely (timed), then every method decodes `new_tokens`
-tokens from that prefill with the same loop eval and generate use (`decode.generate`: on a GPU the whole step replayed
-as a CUDA graph). The first tokens of each method compile its kernels and capture its graph and are not timed; the
+For each context length one random prompt is prefilled densely (timed; in chunks with `prefill_chunk`), then every
+method decodes `new_tokens` tokens from that prefill with the same loop eval and generate use (`decode.generate`, or
+for a batch `decode.generate_batch` with the prompt in every row: on a GPU the whole step replayed as a CUDA graph). The first tokens of each method compile its kernels and capture its graph and are not timed; the
 timed generation is a second one. Reported per method: prefill seconds, decode ms per token and tokens per second,
 the speedup over dense in the same run, peak GPU memory, the decode path, and the memory floor of a decode step: the
 weights plus the K/V bytes dense reads per token, at the measured copy bandwidth.
@@ -26,13 +26,14 @@ from .floor import copy_bandwidth
 from .run import _device, _dtype, result_header
 from .shapes import Shape, from_name
 
-SCHEMA = 1
-PROTOCOL = ("end-to-end greedy decoding, batch 1: one dense prefill of a random prompt per context length (timed), "
-            "then per method a warm-up generation (kernel compiles) and a timed one of new_tokens tokens from the "
-            "same prefill; ms/token is the steady decode steps' wall time (each ends when its token reaches the "
-            "host), after the generation's first step, which captures its CUDA graph (first_step_s; generate_s is "
-            "the whole call, loading the prefill included). Query-aware selection at every step. floor = (weights + "
-            "the K/V dense reads per token) / measured copy bandwidth.")
+SCHEMA = 2
+PROTOCOL = ("end-to-end greedy decoding: one dense prefill of a random prompt per context length (timed), then per "
+            "method and batch size (the prompt in every row) a warm-up generation (kernel compiles) and a timed one "
+            "of new_tokens tokens from the same prefill; ms/token is the steady decode steps' wall time (each ends "
+            "when its tokens reach the host), after the generation's first step, which captures its CUDA graph "
+            "(first_step_s; generate_s is the whole call, loading the prefill included); tokens/s counts every "
+            "row. Query-aware selection at every step. floor = (weights + the K/V dense reads of every row per "
+            "step) / measured copy bandwidth.")
 
 
 def random_model(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
@@ -64,14 +65,17 @@ def random_model(shape: Shape, dtype: torch.dtype, device: torch.device, seed: i
 
 
 def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *, shape: Shape | str | None = None,
-            model: str | None = None, batch: int = 1, new_tokens: int = 32, warmup_tokens: int = 4,
+            model: str | None = None, batch: int | Iterable[int] = 1, new_tokens: int = 32, warmup_tokens: int = 4,
             dtype: str | torch.dtype = "bf16", device: str = "auto", method_options: dict | None = None,
-            require_gpu: bool = False, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
-    """Decode speed of a whole model per method (module docstring): one JSON-ready dict."""
+            require_gpu: bool = False, seed: int = 0, prefill_chunk: int | None = None,
+            progress: Callable[[str], None] | None = None) -> dict:
+    """Decode speed of a whole model per method and batch size (module docstring): one JSON-ready dict."""
     say = progress or (lambda msg: None)
-    if batch != 1:
-        raise SparseKVError(f"--e2e decodes batch 1 (batches of several prompts are not implemented yet), got "
-                            f"--batch {batch}")
+    batches = [int(batch)] if isinstance(batch, int) else [int(b) for b in batch]
+    if not batches or min(batches) < 1:
+        raise SparseKVError(f"--batch must be positive, got {batches}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise SparseKVError(f"--prefill-chunk must be positive, got {prefill_chunk}")
     seqs = [int(s) for s in seqs]
     if not seqs or min(seqs) < 2:
         raise SparseKVError(f"--seq must be at least 2 tokens, got {seqs}")
@@ -105,15 +109,16 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
             raise SparseKVError(f"--seq {seq} + {new_tokens} new tokens exceed {lm.name}'s context "
                                 f"({lm.max_context} tokens)")
         kv = 2 * lm.num_layers * lm.kv_heads * lm.head_dim * itemsize * (seq + new_tokens // 2)
-        floor_ms = (weights + kv) / (bw["GBps"] * 1e6)
-        rows += _one_length(lm, seq, names, budget, options, new_tokens, warmup_tokens, seed, floor_ms, say)
+        floors = {b: (weights + b * kv) / (bw["GBps"] * 1e6) for b in batches}
+        rows += _one_length(lm, seq, names, budget, options, new_tokens, warmup_tokens, seed, floors, prefill_chunk,
+                            say)
     _speedups(rows)
     return {
         **result_header("sparsekv bench --e2e", SCHEMA, dev),
         "config": {"model": lm.name, "model_source": lm.source, "layers": lm.num_layers, "q_heads": lm.q_heads,
                    "kv_heads": lm.kv_heads, "head_dim": lm.head_dim, "weights_bytes": weights, "seq": seqs,
-                   "methods": names, "budget": budget, "method_options": options, "batch": batch,
-                   "new_tokens": new_tokens, "warmup_tokens": warmup_tokens, "dtype": str(dt).replace("torch.", ""),
+                   "methods": names, "budget": budget, "method_options": options, "batch": batches,
+                   "prefill_chunk": prefill_chunk, "new_tokens": new_tokens, "warmup_tokens": warmup_tokens, "dtype": str(dt).replace("torch.", ""),
                    "device": str(dev), "seed": seed},
         "protocol": PROTOCOL,
         "copy_bandwidth": bw,
@@ -123,41 +128,44 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
 
 
 def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, options: dict, new_tokens: int,
-                warmup_tokens: int, seed: int, floor_ms: float, say) -> list[dict]:
-    from ..decode import generate, prefill
+                warmup_tokens: int, seed: int, floors: dict[int, float], prefill_chunk: int | None,
+                say) -> list[dict]:
+    from ..decode import generate_batch, prefill
 
     dev = lm.device
     ids = torch.randint(3, len(lm.tokenizer) - 2, (1, seq), generator=torch.Generator().manual_seed(seed + seq))
     _reset_peak(dev)
     say(f"seq {seq}: dense prefill")
     t0 = _now(dev)
-    pf = prefill(lm, ids, room=max(new_tokens, warmup_tokens))
+    pf = prefill(lm, ids, prefill_chunk, room=max(new_tokens, warmup_tokens))
     prefill_s = _now(dev) - t0
     prefill_peak = _peak_gb(dev)
     rows = []
-    for name in names:
-        method_budget = None if name == "dense" else budget
-        opts = options_for(name, options)
-        say(f"seq {seq}: {name} (warm-up: compiles and graph capture)")
-        generate(lm, None, get_method(name, budget=method_budget or 1.0, **opts), warmup_tokens, stop_on_eos=False,
-                 prefilled=pf)
-        gc.collect()
-        _reset_peak(dev)
-        say(f"seq {seq}: {name}, {new_tokens} tokens")
-        method = get_method(name, budget=method_budget or 1.0, **opts)
-        t0 = _now(dev)
-        g = generate(lm, None, method, new_tokens, stop_on_eos=False, prefilled=pf)
-        seconds = _now(dev) - t0
-        ms = g.timing["steady_ms_per_step"]
-        rows.append({"seq": seq, "method": name, "budget": method_budget, "method_config": method.config(),
-                     "prefill_s": round(prefill_s, 4), "prefill_peak_gb": prefill_peak,
-                     "ms_per_token": round(ms, 4), "tokens_per_s": round(1e3 / ms, 2),
-                     "steps": g.timing["steady_steps"], "first_step_s": round(g.timing["first_step_s"], 4),
-                     "generate_s": round(seconds, 4),
-                     "floor_ms": round(floor_ms, 4), "of_floor": round(floor_ms / ms, 4),
-                     "peak_gb": _peak_gb(dev), "selectivity": g.stats.get("selectivity"),
-                     "decode_path": g.stats.get("decode_path")})
-        gc.collect()
+    for batch, floor_ms in floors.items():
+        for name in names:
+            method_budget = None if name == "dense" else budget
+            opts = options_for(name, options)
+            at = f"seq {seq}, batch {batch}: {name}"
+            say(f"{at} (warm-up: compiles and graph capture)")
+            generate_batch(lm, None, get_method(name, budget=method_budget or 1.0, **opts), warmup_tokens,
+                           stop_on_eos=False, prefilled=[pf] * batch)
+            gc.collect()
+            _reset_peak(dev)
+            say(f"{at}, {new_tokens} tokens")
+            method = get_method(name, budget=method_budget or 1.0, **opts)
+            t0 = _now(dev)
+            g = generate_batch(lm, None, method, new_tokens, stop_on_eos=False, prefilled=[pf] * batch)[0]
+            seconds = _now(dev) - t0
+            ms = g.timing["steady_ms_per_step"]
+            rows.append({"seq": seq, "batch": batch, "method": name, "budget": method_budget,
+                         "method_config": method.config(), "prefill_s": round(prefill_s, 4),
+                         "prefill_peak_gb": prefill_peak, "ms_per_token": round(ms, 4),
+                         "tokens_per_s": round(batch * 1e3 / ms, 2), "steps": g.timing["steady_steps"],
+                         "first_step_s": round(g.timing["first_step_s"], 4), "generate_s": round(seconds, 4),
+                         "floor_ms": round(floor_ms, 4), "of_floor": round(floor_ms / ms, 4),
+                         "peak_gb": _peak_gb(dev), "selectivity": g.stats.get("selectivity"),
+                         "decode_path": g.stats.get("decode_path")})
+            gc.collect()
     del pf
     gc.collect()
     if dev.type == "cuda":
@@ -166,9 +174,9 @@ def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, opti
 
 
 def _speedups(rows: list[dict]) -> None:
-    dense = {r["seq"]: r["ms_per_token"] for r in rows if r["method"] == "dense"}
+    dense = {(r["seq"], r["batch"]): r["ms_per_token"] for r in rows if r["method"] == "dense"}
     for r in rows:
-        d = dense.get(r["seq"])
+        d = dense.get((r["seq"], r["batch"]))
         r["speedup_vs_dense"] = round(d / r["ms_per_token"], 4) if d else None
 
 

@@ -39,22 +39,27 @@ def plot_e2e(result: dict, path: Path) -> Path:
     plt = require_matplotlib()
     series: dict[str, list[tuple[int, float]]] = {}
     floor: dict[int, float] = {}
+    batches = sorted({r["batch"] for r in result["rows"]})
     for r in result["rows"]:
         label = r["method"] if r["budget"] is None else f"{r['method']} @ {r['budget']:g}"
+        if len(batches) > 1:
+            label += f", batch {r['batch']}"
         series.setdefault(label, []).append((r["seq"], r["ms_per_token"]))
-        floor[r["seq"]] = r["floor_ms"]
+        if r["batch"] == batches[0]:
+            floor[r["seq"]] = r["floor_ms"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, pts in series.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     seqs = sorted(floor)
-    ax.plot(seqs, [floor[s] for s in seqs], "k--", label="floor (weights + dense K/V at copy bandwidth)")
+    ax.plot(seqs, [floor[s] for s in seqs], "k--", label=f"floor, batch {batches[0]} (weights + dense K/V at copy "
+                                                          "bandwidth)")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1024:g}K" if x >= 1024 else f"{x:g}")
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("ms per generated token")
+    ax.set_ylabel("ms per decode step")
     c, dev = result["config"], result["device"]
-    ax.set_title(f"{c['model']}, batch {c['batch']}, {c['dtype']} on {dev['name']}", fontsize=9)
+    ax.set_title(f"{c['model']}, {c['dtype']} on {dev['name']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path, plt)

@@ -58,15 +58,14 @@ def topk_table(result: dict) -> Table | None:
 
 def e2e_table(result: dict) -> Table:
     c, dev = result["config"], result["device"]
-    t = Table(title=f"whole-model decode: {c['model']} ({c['layers']} layers), batch {c['batch']}, {c['dtype']} on "
-                    f"{dev['name']}",
+    t = Table(title=f"whole-model decode: {c['model']} ({c['layers']} layers), {c['dtype']} on {dev['name']}",
               caption=f"copy bandwidth {result['copy_bandwidth']['GBps']:.0f} GB/s; floor = (weights + dense K/V "
-                      f"per token) / copy bandwidth")
-    for col in ("seq", "method", "budget", "ms/token", "tokens/s", "vs dense", "floor ms", "% floor", "prefill s",
-                "peak GB", "selectivity", "decode path"):
+                      f"of every row per step) / copy bandwidth; ms per step, tokens/s of all rows")
+    for col in ("seq", "batch", "method", "budget", "ms/step", "tokens/s", "vs dense", "floor ms", "% floor",
+                "prefill s", "peak GB", "selectivity", "decode path"):
         t.add_column(col, justify="left" if col in ("method", "decode path") else "right")
     for r in result["rows"]:
-        t.add_row(str(r["seq"]), r["method"], "-" if r["budget"] is None else f"{r['budget']:g}",
+        t.add_row(str(r["seq"]), str(r["batch"]), r["method"], "-" if r["budget"] is None else f"{r['budget']:g}",
                   _f(r["ms_per_token"], ".2f"), _f(r["tokens_per_s"], ".1f"), _f(r["speedup_vs_dense"], ".2f"),
                   _f(r["floor_ms"], ".2f"), _f(100 * r["of_floor"], ".0f"), _f(r["prefill_s"], ".2f"),
                   _f(r["peak_gb"], ".1f"), _f(r["selectivity"], ".4f"), str(r["decode_path"]))

@@ -14,16 +14,14 @@ q, the output and the new token's writes are left out: a few KB against megabyte
 from __future__ import annotations
 
 import math
-import os
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from sparsekv.kernels.reference import selection_positions
 
+from .. import ops
 from ..selection import Selection
 
 SCORE_BYTES = 4  # scores are ranked in fp32
@@ -56,7 +54,7 @@ def step_traffic(method, state, sel: Selection, q: torch.Tensor, batch: int, kv_
         t = dense_traffic(batch, kv_heads, sel.length, head_dim, itemsize)
         return Traffic(t.kv, select_bytes, 0, t.attended_total, select_source)
     heads = sel.heads(kv_heads)
-    pos = selection_positions(sel, batch, heads, device=q.device)
+    pos = sel.positions(batch, heads, device=q.device)
     attended = int((pos >= 0).sum())
     return Traffic(kv=2 * attended * head_dim * itemsize, select=select_bytes,
                    scores=2 * SCORE_BYTES * batch * heads * candidates(sel), attended_total=attended,
@@ -138,15 +136,6 @@ def _tensors(obj, depth: int = 0):
         yield from obj.buffers()
 
 
-@contextmanager
 def _torch_path():
-    """SPARSEKV_KERNELS=0 for the probe: Triton launches bypass the dispatcher, torch ops do not."""
-    old = os.environ.get("SPARSEKV_KERNELS")
-    os.environ["SPARSEKV_KERNELS"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SPARSEKV_KERNELS", None)
-        else:
-            os.environ["SPARSEKV_KERNELS"] = old
+    """The torch references for the probe: Triton launches bypass the dispatcher, torch ops do not."""
+    return ops.kernels(False)

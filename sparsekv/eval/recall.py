@@ -4,8 +4,8 @@ For every dumped query (position p in its sequence) and every layer, each method
 [0, p] of that sequence in position order, through `new_state` / `append` only, exactly as a decode would have
 indexed them (post-RoPE keys and queries, plus pre-RoPE ones for methods with `needs_pre_rope`); then `select` is
 called with the query, and its `Selection` is expanded to the keys it reads (sink + sparse part + window, the
-kernels' own `selection_positions`). Against the exact attention of the query (softmax of q·k/sqrt(d) over [0, p],
-per query head, each on its GQA group's KV head):
+kernels' own slots: `Selection.positions`). Against the exact attention of the query (softmax of q·k/sqrt(d) over
+[0, p], per query head, each on its GQA group's KV head):
 
 - attention_mass_recall: the softmax mass on the attended keys (mean over query heads). `score` is this, x100.
 - topk_recall: the share of the exact top-k keys that are attended, k = keys attended by that selection row;
@@ -33,7 +33,6 @@ from typing import Any, Callable
 
 import torch
 
-from sparsekv.kernels.reference import selection_positions
 
 from .. import __version__
 from ..activations import Activations, check_fingerprint
@@ -244,7 +243,7 @@ def _attended(sel: Selection, kv_heads: int, q_heads: int, length: int, device) 
         raise SparseKVError(f"a selection for {sel.length} keys came back at length {length}")
     if hs != kv_heads and hs != q_heads:
         raise SparseKVError(f"a selection has {hs} heads; expected {kv_heads} (KV heads) or {q_heads} (query heads)")
-    pos = selection_positions(sel, 1, hs, device=device)[0]  # [Hs, slots], -1 = nothing
+    pos = sel.positions(1, hs, device=device)[0]  # [Hs, slots], -1 = nothing
     mask = torch.zeros(hs, length + 1, dtype=torch.bool, device=device)
     mask.scatter_(1, torch.where(pos >= 0, pos, length), True)  # padding goes to the spare column
     return mask[:, :length]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import __version__
-from ..decode import generate, prefill
+from ..decode import generate_batch, prefill
 from ..errors import SparseKVError
 from ..methods import get_method, method_names
 from ..models import LoadedModel
@@ -95,15 +95,19 @@ def run_task(lm: LoadedModel, task: str, spec: RunSpec, seq_len: int, n: int, se
 def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: int, seed: int = 42,
              dense_layers: tuple[int, ...] = (), samples=None, on_sample: Callable | None = None,
              task_options: dict | None = None,
-             on_partial: Callable[[Callable[[], list[dict]]], None] | None = None) -> list[dict]:
+             on_partial: Callable[[Callable[[], list[dict]]], None] | None = None,
+             batch_size: int = 1) -> list[dict]:
     """Several methods/budgets at one length. Sample-major: each prompt is prefilled once (prefill is dense
-    whatever the method) and every method decodes from that prefill.
+    whatever the method) and every method decodes from that prefill; `batch_size` prompts decode together
+    (`decode.generate_batch`: each row attends what it would alone).
 
     `on_partial(results_so_far)` is called after each prompt with a function that builds the cells' results over
     the prompts done so far (marked "complete": False): a caller can save them, so a run that is stopped keeps
     what it measured. The returned results are marked "complete": True."""
     check_task(task, generation_only=True)
     check_specs(specs, seq_len)
+    if batch_size < 1:
+        raise SparseKVError(f"batch size must be positive, got {batch_size}")
     skipped: dict[str, str] = {}
     if samples is None:
         samples, skipped = make_samples(lm, task, seq_len, n, seed, task_options)
@@ -120,20 +124,23 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
         return [{**_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec, skipped),
                  "complete": complete} for spec, m, r, st, sec in zip(specs, methods, rows, stats, seconds)]
 
-    for s in samples:
+    for at in range(0, len(samples), batch_size):
+        group = samples[at : at + batch_size]
         t0 = time.perf_counter()
-        pf = prefill(lm, s.ids, room=s.max_new_tokens)
+        pfs = [prefill(lm, s.ids, room=s.max_new_tokens) for s in group]
         shared = (time.perf_counter() - t0) / len(specs)  # prefill time, split evenly over the cells
         for i, method in enumerate(methods):
             t1 = time.perf_counter()
-            g = generate(lm, None, method, s.max_new_tokens, dense_layers=dense_layers, prefilled=pf)
+            gens = generate_batch(lm, None, method, [s.max_new_tokens for s in group], dense_layers=dense_layers,
+                                  prefilled=pfs)
             seconds[i] += time.perf_counter() - t1 + shared
-            rows[i].append({"subtask": s.subtask, "depth": s.depth, "answer": s.answer, "prediction": g.text,
-                            "score": metrics.score(s.metric, g.text, s.references),
-                            "prompt_tokens": g.prompt_tokens})
-            stats[i].append(g.stats)
-            if on_sample:
-                on_sample()
+            for s, g in zip(group, gens):
+                rows[i].append({"subtask": s.subtask, "depth": s.depth, "answer": s.answer, "prediction": g.text,
+                                "score": metrics.score(s.metric, g.text, s.references),
+                                "prompt_tokens": g.prompt_tokens})
+                stats[i].append(g.stats)
+                if on_sample:
+                    on_sample()
         if on_partial:
             on_partial(lambda: results(False))
 

@@ -43,15 +43,14 @@ from typing import Any, Sequence
 
 import torch
 
-from sparsekv.kernels.reference import (adamas_bucket_centers, adamas_bucketize_reference,
-                                        adamas_distance_reference, adamas_ip_scores_reference, adamas_pack_reference,
-                                        hadamard_matrix)
+from sparsekv.kernels.reference import (adamas_bucket_centers, adamas_pack_reference, hadamard_matrix,
+                                        quantize_pack_reference)
 
+from .. import ops
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
-from ..selection import BudgetSplit, Selection, code_selection, pool_scores, rerank_exact, topk_selection
-from ..sparse_attention import use_kernels
-from .base import CacheShape, LayerState, Method, register, write_at
+from ..selection import BudgetSplit, Selection, code_selection, rerank_exact, topk_selection
+from .base import CacheShape, LayerState, Method, register
 
 FIXED_THRESHOLDS = {1: (0.0,), 2: (-10.0, 0.0, 10.0), 3: (-15.0, -10.0, -5.0, 0.0, 5.0, 10.0, 15.0)}
 CODE_DISTANCES = ("l1", "l2")  # between the query's codes and the keys' (the paper: l1)
@@ -146,12 +145,7 @@ class Adamas(Method):
 
     def append(self, state: AdamasState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
         """Lines 1-4 for keys [B, Hkv, n, D] at positions [pos, pos + n): their codes go into the cache."""
-        if use_kernels(k.device):
-            from sparsekv.kernels.adamas import quantize_pack_into
-
-            quantize_pack_into(k, state.thresholds, state.codes, pos, bits=self.bits, transform=self.hadamard)
-        else:
-            write_at(state.codes, pos, self.encode(k, state.thresholds))
+        ops.quantize_pack_into(k, state.thresholds, state.codes, pos, bits=self.bits, transform=self.hadamard)
 
     def select(self, state: AdamasState, q: torch.Tensor, q_pre_rope) -> Selection:
         """Lines 1-3 for the query (its group's query thresholds), line 5 against keys [start + sink, length -
@@ -171,20 +165,12 @@ class Adamas(Method):
         lo, hi = split.lo, split.hi
         if self.distance == "ip":
             return topk_selection(self.ip_scores(state, q, lo, hi), split)
-        if use_kernels(q.device):
-            from sparsekv.kernels.adamas import code_scores, quantize_pack
-
-            q_words = quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard)
-            sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split)
-            if sel is not None:  # distances and their top-k by counting
-                return sel
-            scores = code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
-                                 pool="sum" if self.pooling == "group" else None)  # -distance, pooled in-kernel
-        else:
-            q_words = self.encode(q, state.q_thresholds)[:, :, 0]
-            dist = adamas_distance_reference(q_words, state.codes[:, :, lo:hi], D, bits=self.bits,
-                                             metric=self.distance)
-            scores = pool_scores(-dist.float(), state.codes.shape[1], self.pooling)  # closer codes score higher
+        q_words = ops.quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard)
+        sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split)
+        if sel is not None:  # distances and their top-k by counting
+            return sel
+        scores = ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
+                                 pool="sum" if self.pooling == "group" else None)  # -distance: closer scores higher
         return topk_selection(scores, split)
 
     def ip_scores(self, state: AdamasState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -195,20 +181,13 @@ class Adamas(Method):
         if self.hadamard:
             qh = qh @ hadamard_for(D, q.device)
         pool = "sum" if self.pooling == "group" else None
-        if use_kernels(q.device):
-            from sparsekv.kernels.adamas import code_ip_scores
-
-            return code_ip_scores(qh, state.codes[:, :, lo:], state.centers, hi - lo, D, self.bits, pool=pool)
-        return adamas_ip_scores_reference(qh, state.codes[:, :, lo:hi], state.centers, D, self.bits, pool=pool)
+        return ops.code_ip_scores(qh, state.codes[:, :, lo:], state.centers, hi - lo, D, self.bits, pool=pool)
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
         """x [B, H, n, D] -> packed codes [B, H, n, W] (torch reference of lines 1-3); thresholds [Hkv, T] serve
         x's heads in groups (query heads use their KV head's row)."""
-        x = x.float()
-        if self.hadamard:
-            x = x @ hadamard_for(x.shape[-1], x.device)
-        return adamas_pack_reference(adamas_bucketize_reference(x, thresholds, bits=self.bits), bits=self.bits)
+        return quantize_pack_reference(x, thresholds, bits=self.bits, transform=self.hadamard)
 
     def layer_thresholds(self, layer: int, kv_heads: int, queries: bool = False) -> torch.Tensor:
         """[kv_heads, 2^bits - 1]: the artifact's for this layer (the keys', or with `queries` the queries'), else

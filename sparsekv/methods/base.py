@@ -13,7 +13,12 @@ every token (sparsekv/step.py):
   window) does; the region the sparse part comes from is `BudgetSplit.lo/hi`, exact in an eager step, sized to the
   cache in a captured one, with `BudgetSplit.keep` / `masked` marking on the device the positions of this step;
 - build selections with `split.selection(...)` or `state.selection(...)`, which carry the device lengths the kernels
-  read.
+  read;
+- run kernels through `sparsekv.ops` (one dispatch point per op: the Triton kernel or its torch reference);
+- give every per-row tensor of the state the batch as its first dimension, and shared ones (per layer, per head)
+  none: a batch of prompts of different lengths takes each row's state from a one-row cache (`SparseCache.load_row`).
+  A row shorter than the region a step selects over may be handed positions outside its own; the kernels read
+  nothing there, so the row attends what it would alone.
 Tests run every method through the split step in "static" mode (exactly what a graph replays) against the eager
 transformers call (tests/test_step.py).
 """

@@ -35,13 +35,12 @@ from typing import Any
 
 import torch
 
-from sparsekv.kernels.reference import (adamas_bucketize_reference, adamas_distance_reference,
-                                        adamas_pack_reference)
+from sparsekv.kernels.reference import quantize_pack_reference
 
+from .. import ops
 from ..errors import SparseKVError
-from ..selection import Selection, code_selection, pool_scores, topk_selection
-from ..sparse_attention import use_kernels
-from .base import CacheShape, LayerState, Method, register, write_at
+from ..selection import Selection, code_selection, topk_selection
+from .base import CacheShape, LayerState, Method, register
 
 PROJECTIONS = ("rotation", "gaussian")
 SIGN = torch.zeros(1)  # the one threshold of a 1-bit code: bit = 1[x·r > 0]
@@ -81,22 +80,16 @@ class LSH(Method):
     def append(self, state: LSHState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
         """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer (eq. 4)."""
         x = torch.einsum("bhnd,hdm->bhnm", k.float(), state.proj)
-        if use_kernels(k.device):
-            from sparsekv.kernels.adamas import quantize_pack_into
-
-            quantize_pack_into(x, state.sign, state.codes, pos, bits=1, transform=False)
-        else:
-            write_at(state.codes, pos, pack_signs(x))
+        ops.quantize_pack_into(x, state.sign, state.codes, pos, bits=1, transform=False)
 
     def select(self, state: LSHState, q: torch.Tensor, q_pre_rope) -> Selection:
         split = self.split(state)
         if split.dense:
             return split.selection()
         q_words = self.query_words(state, q)
-        if use_kernels(q.device):
-            sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
-            if sel is not None:  # Hamming distances and their top-k by counting
-                return sel
+        sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
+        if sel is not None:  # Hamming distances and their top-k by counting
+            return sel
         return topk_selection(self.hash_scores(state, q, split.lo, split.hi, q_words=q_words), split)
 
     def query_words(self, state: LSHState, q: torch.Tensor) -> torch.Tensor:
@@ -104,12 +97,7 @@ class LSH(Method):
         B, Hq, _, D = q.shape
         Hkv = state.codes.shape[1]
         x = torch.einsum("bhgd,hdm->bhgm", q.float().view(B, Hkv, Hq // Hkv, D), state.proj)
-        x = x.reshape(B, Hq, 1, self.nbits)
-        if use_kernels(q.device):
-            from sparsekv.kernels.adamas import quantize_pack
-
-            return quantize_pack(x, state.sign, bits=1, transform=False)
-        return pack_signs(x)
+        return ops.quantize_pack(x.reshape(B, Hq, 1, self.nbits), state.sign, bits=1, transform=False)
 
     def hash_scores(self, state: LSHState, q: torch.Tensor, lo: int, hi: int,
                     q_words: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,13 +105,8 @@ class LSH(Method):
         q_words: the queries' codes when the caller has them (`query_words`)."""
         if q_words is None:
             q_words = self.query_words(state, q)
-        if use_kernels(q.device):
-            from sparsekv.kernels.adamas import code_scores
-
-            return code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
-                               pool="sum" if self.pooling == "group" else None)  # pooled in-kernel
-        dist = adamas_distance_reference(q_words[:, :, 0], state.codes[:, :, lo:hi], self.nbits, bits=1)
-        return pool_scores(-dist.float(), state.codes.shape[1], self.pooling)
+        return ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
+                               pool="sum" if self.pooling == "group" else None)
 
     def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
         """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""
@@ -145,4 +128,4 @@ class LSH(Method):
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Projections [..., nbits] -> packed sign bits int16 [..., ceil(nbits / 16)] (torch reference of the kernel)."""
-    return adamas_pack_reference(adamas_bucketize_reference(x, SIGN, bits=1), bits=1)
+    return quantize_pack_reference(x, SIGN, bits=1, transform=False)

@@ -41,12 +41,10 @@ from typing import Any
 
 import torch
 
-from sparsekv.kernels.reference import quest_scores_reference
-
+from .. import ops
 from ..errors import SparseKVError
 from ..patterns import window_start
-from ..selection import BudgetSplit, Selection, topk
-from ..sparse_attention import use_kernels
+from ..selection import BudgetSplit, Selection
 from .base import CacheShape, LayerState, Method, register
 
 
@@ -141,7 +139,7 @@ class Quest(Method):
             scores = self.page_scores(state, q, p_lo, p_hi)
             ok = self._choosable(split, L, last, p_lo, p_hi)  # [B, 1, pages]
             scores = scores.masked_fill(~ok, float("-inf"))
-            pick = topk(scores, min(k, p_hi - p_lo))
+            pick = ops.topk(scores, min(k, p_hi - p_lo))
             chosen = torch.gather(scores, 2, pick) > float("-inf")  # fewer choosable pages than k: pad
             blocks.append(torch.where(chosen, pick + p_lo, -1))
         if self.auto_window:  # the page of the newest key, always attended (the authors' "last page")
@@ -165,11 +163,7 @@ class Quest(Method):
     def page_scores(self, state: QuestState, q: torch.Tensor, p_lo: int, p_hi: int) -> torch.Tensor:
         """Upper bounds of pages [p_lo, p_hi), fp32 [B, Hsel, pages]: pooling "group" takes the group's max."""
         pool = "max" if self.pooling == "group" else None
-        if use_kernels(q.device):
-            from sparsekv.kernels.quest import page_scores
-
-            return page_scores(q, state.bounds[:, :, p_lo:], p_hi - p_lo, pool)
-        return quest_scores_reference(q, state.bounds[:, :, p_lo:], p_hi - p_lo, pool)
+        return ops.page_scores(q, state.bounds[:, :, p_lo:], p_hi - p_lo, pool)
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
