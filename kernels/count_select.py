@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .device import num_sms
-from .topk import _scatter_offsets, rows_and_out
+from .topk.launch import rows_and_out, scatter_offsets
 
 COARSE_BITS = 6  # the sample's (and the fallback's) first histogram: the top 6 bits
 WIN = tl.constexpr(64)  # bins of the window histogram: 62 single values around the sampled estimate, and both sides
@@ -195,7 +195,7 @@ def _emit_tiles(Dr, Or, N, thr, need, lt_run, eq_run, offset, p, VMAX: tl.conste
         pre = tl.cumsum(both, 0) - both
         eq_pre = eq_run + (pre >> 16)
         take = (a > 0) | ((e > 0) & (eq_pre < need))
-        pos = _scatter_offsets(lt_run + (pre & 0xFFFF) + tl.minimum(eq_pre, need), take, lt_run)
+        pos = scatter_offsets(lt_run + (pre & 0xFFFF) + tl.minimum(eq_pre, need), take, lt_run)
         tl.store(Or + pos, (idx + offset).to(tl.int64), mask=take)
         lt_run += tl.sum(a, 0)
         eq_run += tl.sum(e, 0)

@@ -23,10 +23,11 @@ def topk_rows(rows: int, n: int, k: int, device: torch.device, copy_gbps: float,
     ops = [("torch.topk", "torch", lambda s: torch.topk(s, k, dim=-1, sorted=False).indices)]
     if device.type == "cuda":
         try:
-            from sparsekv.kernels.topk import topk
+            from sparsekv.kernels.topk import TopkConfig, topk
 
-            ops[:0] = [("fused topk", "triton", lambda s: topk(s, k, _path="fused")),
-                       ("radix topk", "triton", lambda s: topk(s, k, _path="radix"))]
+            fused, radix = TopkConfig(path="fused"), TopkConfig(path="radix")
+            ops[:0] = [("fused topk", "triton", lambda s: topk(s, k, config=fused)),
+                       ("radix topk", "triton", lambda s: topk(s, k, config=radix))]
         except Exception as e:  # kernels not importable: torch.topk alone, and the reason
             ops.insert(0, ("topk kernels", f"unavailable: {type(e).__name__}: {e}"[:200], None))
     out = []
