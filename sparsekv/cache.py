@@ -284,7 +284,9 @@ class SparseCache(Cache):
         breaks the cache's reference cycles."""
         for layer in self.layers:
             layer.reset()
-        self.lengths = self.slots = None
+        self.lengths = self.slots = self.kv = None
+        if _ACTIVE.get() is self:  # the attention function's pointer would keep the buffers alive
+            _ACTIVE.set(None)
 
     def fix_budget(self) -> None:
         """Hold a fractional budget at its share of what each layer sees now (after the prompt) for the rest of the

@@ -101,7 +101,9 @@ def prefill(lm: LoadedModel, input_ids, prefill_chunk: int | None = None, room: 
     ids = _prompt(lm, input_ids, room)
     cache = make_cache(lm, get_method("dense"), ids.shape[1] + room)
     logits = _run_prefill(lm, ids, cache, prefill_chunk)
-    return Prefill(ids, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], logits)
+    out = Prefill(ids, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], logits)
+    cache.release()  # the buffers now live as long as the Prefill does, no longer
+    return out
 
 
 def _load_prefill(cache: SparseCache, prefilled: Prefill) -> torch.Tensor:

@@ -88,3 +88,21 @@ def test_ragged_batch_replays_one_graph_on_gpu(method):
         assert a.tokens == b.tokens
         for x, y in zip(a.logits, b.logits, strict=True):
             torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_buffers_are_freed_when_their_last_user_goes(tiny):
+    """A prefill's K/V live as long as the Prefill (no cache or attention pointer keeps them), and a generation's
+    cache is released when it ends, without waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        pf = prefill(tiny, _prompts()[0], room=4)
+        kept = weakref.ref(pf.key_buffers[0])
+        generate(tiny, None, get_method("adamas", budget=64), 4, stop_on_eos=False, prefilled=pf)
+        generate_batch(tiny, None, get_method("quest", budget=64), 3, stop_on_eos=False, prefilled=[pf, pf])
+        del pf
+        assert kept() is None
+    finally:
+        gc.enable()
