@@ -24,10 +24,9 @@ read in TILEs):
            It writes every value < t and the first k - c_lt values == t (ties to the lower index) at pos = how many
            are taken before it, so each row's indices come out in ascending index order, as from `topk.topk`.
 
-Measured on the H100 (results/count-select-window-h100.json, µs graph, bell-shaped values like code distances):
-32 x 131071 (k 2047, Adamas per query head) 44.0 -> 37.0; 8 x 131071 (pooled) 18.7 -> 15.5; 32 x 32767 17.1 -> 14.9;
-64 x 131071 82.6 -> 63.6; 8 x 32767 and 32 x 8191 unchanged (10.3, 9.8). The base launch costs ~2.7 µs whatever
-the size (one program per row, a chain of two histograms).
+On the H100 (CUDA-graph replay, bell-shaped values like code distances) the window made the select faster than
+those two passes on 8-64 rows of 131071 values and 32 rows of 32767, and left 8 rows of 32767 and 32 of 8191
+unchanged. The base launch costs a few µs whatever the size (one program per row, a chain of two histograms).
 
 No program waits for another: each step reads what the previous launch left. GH is cleared by the next call's first
 step, so there is no memset and no host sync and a call can be captured in a CUDA graph. Rows of one chunk (eager
@@ -228,9 +227,9 @@ def _row_kernel(D, OUT, N, k, offset, stride_d, stride_o, SHIFT: tl.constexpr, V
     """Rows of one chunk, one program each: the exact k-th smallest from the row itself (a histogram of the top 6
     bits, then one of the low bits in the bin that holds it), then emit. One launch, which is what an eager decode
     step pays for (~40 µs of Python per launch), no scratch, and no sample: with one program per row every step is
-    on the critical path, and a sampled window would add one. H100, µs graph, against the first design's three
-    passes through scratch (results/count-select-row-kernel-h100.json): 9 x 4095, k 63 (SmolLM2 at 4K) 12.9 ->
-    10.7; 9 x 8191, k 127 22.8 -> 16.7; 32 x 16383, k 2047 45.3 -> 32.1."""
+    on the critical path, and a sampled window would add one. On the H100 (CUDA-graph replay) it is faster than
+    the first design's three passes through scratch on rows of 4K-16K values (SmolLM2 at 4K and 8K, 32 rows of
+    16K)."""
     r = tl.program_id(0).to(tl.int64)
     Dr = D + r * stride_d
     thr, c_lt = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
@@ -255,9 +254,9 @@ def value_bits(max_value: int) -> int:
 def plan(n: int, rows: int, device: torch.device, chunk: int | None = None, tile: int | None = None) -> dict:
     """Chunk size (a power of two) and chunks per row. On CUDA a longer row gets about two programs per
     multiprocessor, in chunks of at most _CHUNK_MAX values: the passes are bound by instructions per value, and with
-    many rows (one per query head, pooling "head") two programs per SM meant 16K-value chunks: 64 µs for 32 x 131071
-    values, where 2048-value chunks take 44 (H100 sweep of chunk, tile and warps over 8-64 rows of 8K-128K values:
-    results/count-select-chunks-h100.json; the first sweep: results/count-select-h100.json). A row of at most
+    many rows (one per query head, pooling "head") two programs per SM meant 16K-value chunks, markedly slower
+    than 2048-value chunks on 32 x 131071 values (H100 sweep of chunk, tile and warps over 8-64 rows of 8K-128K
+    values, with the first design's passes). A row of at most
     _ROW_MAX values is one chunk, the one-launch row kernel, unless a CUDA graph is being captured: eagerly,
     launches cost the host ~40-100 µs each, and the row kernel saves two; in a graph they cost ~1 µs, and the three
     parallel launches took 7-9 µs of GPU time where the row kernel's serial steps took 15-27 (H100, 3-32 rows of

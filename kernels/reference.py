@@ -122,7 +122,8 @@ def topk_reference(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Adamas (paper: shared/papers/adamas.txt): Hadamard transform, bucketize, pack 2-bit codes, code distances.
+# Packed codes, shared by Adamas (bucket codes of Hadamard(x)) and LSH (sign bits): Hadamard transform, bucketize,
+# pack, code distances.
 
 SUPPORTED_HADAMARD = "2^n (n>=0: 1, 2, 4, ..., 64, 128, 256), 12·2^n (12, 24, 48, 96, 192), 20·2^n (20, 40, 80, 160)"
 _HADAMARD_CACHE: dict = {}
@@ -200,7 +201,7 @@ def _thresholds_for(x: torch.Tensor, thresholds: torch.Tensor, bits: int) -> tor
     return th[:, None, None, :]  # against x[..., H, n, D, None]
 
 
-def adamas_bucketize_reference(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2) -> torch.Tensor:
+def code_bucketize_reference(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2) -> torch.Tensor:
     """Codes uint8 with x's shape: the number of thresholds strictly below x (paper eq. 5, B(x) = Σ 1[x > B_i]).
 
     x [..., H, n, D] with thresholds [H, 2^bits - 1] (or [Ht, ...], H % Ht == 0), or x [..., D] with shared
@@ -216,7 +217,7 @@ def _per_word(bits: int) -> int:
     return {1: 16, 2: 8, 3: 5}[bits]
 
 
-def adamas_pack_reference(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
+def code_pack_reference(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
     """codes [..., D] (0 .. 2^bits - 1) -> int16 words [..., ceil(D / per_word)].
 
     Code i of a word's group sits at bits [bits·i, bits·(i+1)): 16 codes per word for bits=1, 8 for bits=2 (as the
@@ -233,8 +234,8 @@ def adamas_pack_reference(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
     return torch.where(word >= 32768, word - 65536, word).to(torch.int16)
 
 
-def adamas_unpack_reference(words: torch.Tensor, d: int, bits: int = 2) -> torch.Tensor:
-    """Inverse of adamas_pack_reference: int16 words [..., W] -> uint8 codes [..., d]."""
+def code_unpack_reference(words: torch.Tensor, d: int, bits: int = 2) -> torch.Tensor:
+    """Inverse of code_pack_reference: int16 words [..., W] -> uint8 codes [..., d]."""
     pw = _per_word(bits)
     w = words.to(torch.int32) & 0xFFFF
     shifts = torch.arange(pw, device=words.device, dtype=torch.int32) * bits
@@ -242,7 +243,7 @@ def adamas_unpack_reference(words: torch.Tensor, d: int, bits: int = 2) -> torch
     return c.reshape(*words.shape[:-1], -1)[..., :d].to(torch.uint8)
 
 
-def adamas_distance_reference(q_words: torch.Tensor, k_words: torch.Tensor, d: int, bits: int = 2,
+def code_distance_reference(q_words: torch.Tensor, k_words: torch.Tensor, d: int, bits: int = 2,
                               metric: str = "l1", pool: str | None = None) -> torch.Tensor:
     """Code distances int32 [B, Hq, L]: Σ_dims |qc - kc| (l1, paper eq. 6) or Σ (qc - kc)² (l2); smaller = closer.
 
@@ -253,8 +254,8 @@ def adamas_distance_reference(q_words: torch.Tensor, k_words: torch.Tensor, d: i
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     B, Hq, _ = q_words.shape
     Hkv = k_words.shape[1]
-    qc = adamas_unpack_reference(q_words, d, bits).int()  # [B, Hq, d]
-    kc = adamas_unpack_reference(k_words, d, bits).int()  # [B, Hkv, L, d]
+    qc = code_unpack_reference(q_words, d, bits).int()  # [B, Hq, d]
+    kc = code_unpack_reference(k_words, d, bits).int()  # [B, Hkv, L, d]
     kc = kc.repeat_interleave(Hq // Hkv, dim=1)  # clarity over speed
     diff = qc.unsqueeze(2) - kc
     dist = (diff.abs() if metric == "l1" else diff * diff).sum(-1)
@@ -274,8 +275,9 @@ def adamas_bucket_centers(thresholds: torch.Tensor) -> torch.Tensor:
     bucket's width (a width of 1 when the thresholds leave no finite bucket: one threshold t gives t ± 0.5); a
     bucket with no finite edge (every threshold infinite) gets 0. Buckets that ±inf thresholds leave empty get a
     finite value no key uses.
-    On SmolLM2 these midpoints rank keys as well as the buckets' conditional means (exact top-64 recall 0.665
-    against 0.667, layers 2-29 of a jargon dump; the L1 code distance 0.479: results/adamas-ip-recall-*.json).
+    On SmolLM2 these midpoints rank keys about as well as the buckets' conditional means, and much better than the
+    L1 code distance (recall of the exact top-k on a jargon dump); accuracy: BENCHMARKS.md, "RULER NIAH on the
+    default model, by budget".
     """
     t = thresholds.float()
     T = t.shape[-1]
@@ -306,7 +308,7 @@ def adamas_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: 
     query head h reads KV head h // (Hq // Hkv). pool "sum" adds each KV head's query group -> [B, Hkv, L]."""
     B, Hq, _ = q.shape
     Hkv = k_words.shape[1]
-    kc = adamas_unpack_reference(k_words, d, bits).long()  # [B, Hkv, L, d]
+    kc = code_unpack_reference(k_words, d, bits).long()  # [B, Hkv, L, d]
     c = centers.float().to(q.device)
     levels = torch.stack([c[h][kc[:, h]] for h in range(Hkv)], 1)  # [B, Hkv, L, d]
     qg = q.float().view(B, Hkv, Hq // Hkv, d)
@@ -320,17 +322,17 @@ def adamas_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: 
 def quantize_pack_reference(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2,
                             transform: bool = True) -> torch.Tensor:
     """(Hadamard if `transform`) + bucketize + pack: x [B, H, n, D] -> int16 words [B, H, n, W] (fp32 maths).
-    Contract of `adamas.quantize_pack`."""
+    Contract of `codes.quantize_pack`."""
     x = x.float()
     if transform:
         x = x @ hadamard_matrix(x.shape[-1], torch.float32, x.device)
-    return adamas_pack_reference(adamas_bucketize_reference(x, thresholds, bits), bits)
+    return code_pack_reference(code_bucketize_reference(x, thresholds, bits), bits)
 
 
 def quantize_pack_into_reference(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor,
                                  start: int | torch.Tensor, bits: int = 2, transform: bool = True) -> None:
     """quantize_pack_reference written into out_words [B, H, Lmax, W] at [start, start + n): `start` an int, or for
-    one token per row a device tensor [B]. Contract of `adamas.quantize_pack_into`."""
+    one token per row a device tensor [B]. Contract of `codes.quantize_pack_into`."""
     words = quantize_pack_reference(x, thresholds, bits, transform)
     if isinstance(start, int):
         out_words[:, :, start : start + x.shape[2]] = words
@@ -341,14 +343,14 @@ def quantize_pack_into_reference(x: torch.Tensor, thresholds: torch.Tensor, out_
 def code_scores_reference(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
                           metric: str = "l1", *, pool: str | None = None) -> torch.Tensor:
     """Negated code distances fp32 [B, H, length] (higher = closer) of the first `length` keys: contract of
-    `adamas.code_scores`."""
+    `codes.code_scores`."""
     qw = q_words.reshape(q_words.shape[0], q_words.shape[1], -1)
-    return -adamas_distance_reference(qw, k_words[:, :, :length], d, bits, metric, pool).float()
+    return -code_distance_reference(qw, k_words[:, :, :length], d, bits, metric, pool).float()
 
 
 def code_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor, length: int, d: int,
                              bits: int = 2, *, pool: str | None = None) -> torch.Tensor:
-    """adamas_ip_scores_reference over the first `length` keys: contract of `adamas.code_ip_scores`."""
+    """adamas_ip_scores_reference over the first `length` keys: contract of `codes.code_ip_scores`."""
     return adamas_ip_scores_reference(q.reshape(q.shape[0], q.shape[1], -1), k_words[:, :, :length], centers, d,
                                       bits, pool)
 

@@ -381,7 +381,7 @@ def _dataset_tokens(lm: LoadedModel, name: str, want: int) -> list[int]:
     try:
         import datasets
     except ImportError:
-        raise SparseKVError("reading a dataset needs the `datasets` package (pip install datasets); "
+        raise SparseKVError("reading a dataset needs the `datasets` package: pip install 'sparsekv[data]'; "
                             "or pass a text file") from None
     hub_id, config = DATASET_ALIASES.get(name, (name.split(":")[0], name.split(":")[1] if ":" in name else None))
     eos = getattr(lm.tokenizer, "eos_token_id", None)

@@ -24,11 +24,10 @@ bucket (0 or 3) the L1 distance is the sum of 3 - code_k over the query's 3s plu
 linearly as each key code moves toward the query's side (a 1-bit-query / 2-bit-key estimate of q·k), while equal
 scales reward keys whose magnitudes match the query's (a key code above a middle query code counts against it).
 Thresholds are fitted at each s and the s with the best recall on the calibration queries is kept (s = 1 is the
-shared-threshold fit, so the choice never fits worse than it; each s costs one fit). SmolLM2-135M, 8192 jargon
-tokens, top-64 recall on held-out queries (mean of 30 layers x 3 KV heads): paper thresholds 0.376, one fitted set
-0.484, fitted query scale 0.522 (s = 8 for 45 heads, 4 for 38; 105 s on 2 CPU cores;
-`results/calibrate-adamas-query-scale-smollm2-jargon8k-cpu.json`). On RULER NIAH at 4K (budget 64 / 128) that took
-Adamas from 21.2 / 34.4 to 33.8 / 46.2 against dense 50.0 (`results/adamas-query-scale-smollm2-h100.json`).
+shared-threshold fit, so the choice never fits worse than it; each s costs one fit). On SmolLM2-135M (8192 jargon
+tokens, top-64 recall on held-out queries, mean over layers and KV heads) one fitted set beats the paper's
+thresholds and the fitted query scale beats one set (most heads choose s = 8 or 4); on RULER NIAH it lifts Adamas
+at budgets 64 and 128: BENCHMARKS.md, "RULER NIAH on the default model, by budget".
 
 Speed: L1 separates over the thresholds. A value's code is at least v exactly when it exceeds B_v, and for codes
 |a - b| = Σ_v |[a >= v] - [b >= v]|, so the L1 distance is a sum of one Hamming distance per threshold, each a

@@ -109,6 +109,8 @@ def weights_hash(model: torch.nn.Module, sample: int = 1 << 16) -> str:
 def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                quiet: bool = False) -> LoadedModel:
     """`spec`: 'smollm2-135m' (default), 'tiny-random', a .gguf file, a local HF folder or a hub id."""
+    if spec not in ALIASES:
+        peek_config(spec)  # a spec that cannot be a model: one line, before any loading
     if spec in ("smollm2-135m", "smollm2", "default"):
         lm = _load_smollm2(dtype or torch.float32, quiet)
     elif spec == "tiny-random":
@@ -227,3 +229,37 @@ def tiny_random(layers: int = 2, q_heads: int = 6, kv_heads: int = 2, head_dim: 
             layer.self_attn.q_proj.weight.data.mul_(8)
             layer.self_attn.k_proj.weight.data.mul_(8)
     return LoadedModel(model.to(dtype), tok, f"tiny-random(seed={seed})", "in-memory")
+
+
+def peek_config(spec: str = DEFAULT_MODEL):
+    """The model's transformers config without its weights, to check options against it before any loading; None
+    where that needs the network or a first fetch (the load itself checks then). A spec that cannot be a model is
+    refused here in one line."""
+    from transformers import AutoConfig
+
+    if spec in ("smollm2-135m", "smollm2", "default"):
+        converted = cache_home() / "models" / "smollm2-135m-instruct-q4_1"
+        return AutoConfig.from_pretrained(converted) if (converted / "config.json").is_file() else None
+    if spec == "tiny-random":
+        return tiny_random().config
+    path = Path(spec)
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise SparseKVError(f"model file not found: {spec}")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise SparseKVError(f"--model {spec}: not a GGUF file")
+        return None  # its metadata is read with the model (a GGUF load needs the gguf package anyway)
+    if path.is_file():
+        raise SparseKVError(f"--model {spec}: a file must be a .gguf model")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SparseKVError(f"--model {spec}: no config.json in that folder (not a transformers model folder)")
+        try:
+            return AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise SparseKVError(f"--model {spec}: cannot read its config ({str(e).splitlines()[0]})") from None
+    if "/" not in spec:
+        raise SparseKVError(
+            f"unknown model {spec!r}: use smollm2-135m, tiny-random, a .gguf file, a local folder or a hub id")
+    return None  # a hub id: checked when it loads

@@ -45,11 +45,6 @@ def use_kernels(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def describe(device: torch.device | str) -> str:
-    """Which implementation the ops take on `device`, for results and reports."""
-    return "triton" if use_kernels(device) else "torch-reference"
-
-
 # -- attention --------------------------------------------------------------------------------------------------
 
 def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel: "Selection", scale: float,
@@ -120,9 +115,9 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True) -> torch.Tensor:
-    """Codes of x [B, H, n, D] (Hadamard first if `transform`), packed: int16 [B, H, n, W] (kernels/adamas.py)."""
+    """Codes of x [B, H, n, D] (Hadamard first if `transform`), packed: int16 [B, H, n, W] (kernels/codes.py)."""
     if use_kernels(x.device):
-        from sparsekv.kernels.adamas import quantize_pack as kernel
+        from sparsekv.kernels.codes import quantize_pack as kernel
 
         return kernel(x, thresholds, bits=bits, transform=transform)
     return ref.quantize_pack_reference(x, thresholds, bits, transform)
@@ -132,7 +127,7 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
                        start: int | torch.Tensor, bits: int = 2, transform: bool = True) -> None:
     """quantize_pack written into out_words at [start, start + n) (start: an int or per-row device slots [B])."""
     if use_kernels(x.device):
-        from sparsekv.kernels.adamas import quantize_pack_into as kernel
+        from sparsekv.kernels.codes import quantize_pack_into as kernel
 
         return kernel(x, thresholds, out_words, start, bits=bits, transform=transform)
     return ref.quantize_pack_into_reference(x, thresholds, out_words, start, bits, transform)
@@ -140,9 +135,9 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
 
 def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
                 metric: str = "l1", pool: str | None = None) -> torch.Tensor:
-    """-distance of the query codes to the first `length` key codes, higher = closer (kernels/adamas.py)."""
+    """-distance of the query codes to the first `length` key codes, higher = closer (kernels/codes.py)."""
     if use_kernels(q_words.device):
-        from sparsekv.kernels.adamas import code_scores as kernel
+        from sparsekv.kernels.codes import code_scores as kernel
 
         return kernel(q_words, k_words, length, d, bits=bits, metric=metric, pool=pool)
     return ref.code_scores_reference(q_words, k_words, length, d, bits, metric, pool=pool)
@@ -150,9 +145,9 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
 
 def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor, length: int, d: int,
                    bits: int = 2, pool: str | None = None) -> torch.Tensor:
-    """q · (each key's codes read as their buckets' centers) for the first `length` keys (kernels/adamas.py)."""
+    """q · (each key's codes read as their buckets' centers) for the first `length` keys (kernels/codes.py)."""
     if use_kernels(q.device):
-        from sparsekv.kernels.adamas import code_ip_scores as kernel
+        from sparsekv.kernels.codes import code_ip_scores as kernel
 
         return kernel(q, k_words, centers, length, d, bits, pool=pool)
     return ref.code_ip_scores_reference(q, k_words, centers, length, d, bits, pool=pool)
@@ -160,13 +155,13 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int, metric: str,
               pool: str | None, offset: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The k nearest keys by code distance, counted in one fused pass (kernels/adamas.py::code_topk), or None where
+    """The k nearest keys by code distance, counted in one fused pass (kernels/codes.py::code_topk), or None where
     that kernel does not run (the references, or distances too wide for its counting): rank `code_scores` with
     `topk` then, which chooses the same keys."""
     if not use_kernels(q_words.device):
         return None
-    from sparsekv.kernels.adamas import code_topk as kernel
-    from sparsekv.kernels.adamas import code_topk_supported
+    from sparsekv.kernels.codes import code_topk as kernel
+    from sparsekv.kernels.codes import code_topk_supported
 
     group = q_words.shape[1] // k_words.shape[1] if pool else 1
     if not code_topk_supported(d, bits, metric, group):

@@ -24,6 +24,7 @@ from . import ops
 from .errors import SparseKVError
 from .ops import topk
 from .patterns import window_start
+from .pooling import Pooling
 
 
 @dataclass
@@ -163,6 +164,14 @@ def resolve_budget(budget: float, length: int) -> int:
     return int(budget)
 
 
+def check_budget(budget: float, context: int) -> int:
+    """A run's budget in tokens at `context`, refused before any work when it is larger than the context."""
+    b = resolve_budget(budget, context)
+    if b > context:
+        raise SparseKVError(f"budget {b} tokens is larger than the context ({context} tokens)")
+    return b
+
+
 @dataclass(frozen=True)
 class BudgetSplit:
     """How one step's budget is spent: `sink` + `window` dense tokens, `k` chosen from the rest, all among the keys
@@ -243,17 +252,6 @@ def split_budget(budget: float, sink: int, window: int, length: int, span: int =
     return BudgetSplit(sink, window, b - sink - window, dense=False, **where)
 
 
-def pool_scores(scores: torch.Tensor, n_kv_heads: int, pooling: str, reduce: str = "sum") -> torch.Tensor:
-    """[B, Hq, L] scores -> [B, H, L]: one row per KV head (pooled over its query group) or per query head."""
-    if pooling == "head":
-        return scores
-    if pooling != "group":
-        raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
-    B, Hq, L = scores.shape
-    grouped = scores.view(B, n_kv_heads, Hq // n_kv_heads, L)
-    return grouped.amax(2) if reduce == "max" else grouped.sum(2)
-
-
 def topk_selection(scores: torch.Tensor, split: BudgetSplit) -> Selection:
     """Top-k of `scores` [B, H, split.hi - split.lo] (higher is better) over the region the sparse part comes from."""
     k = min(split.k, scores.shape[-1])
@@ -262,7 +260,7 @@ def topk_selection(scores: torch.Tensor, split: BudgetSplit) -> Selection:
     return split.selection(indices=topk(split.masked(scores, float("-inf")), k) + split.lo, padded=False)
 
 
-def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: torch.Tensor | None = None,
+def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: Pooling | str, indices: torch.Tensor | None = None,
                  scale: float | None = None, softcap: float | None = None,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle's ranking: the log of the softmax of the layer's attention logits (q·k x scale, default 1/sqrt(D),
@@ -274,9 +272,7 @@ def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: str, indices: tor
     (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, fp32 sums), elsewhere from its torch
     reference. `keep` (bool [B, 1, m], BudgetSplit.keep): keys outside it get no probability (-inf). The softmax and
     the group's sum are `kernels/exact_scores.py::pooled_log_probs` (its reference off the GPU)."""
-    if pooling not in ("group", "head"):
-        raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
-    group = q.shape[1] // keys.shape[1] if pooling == "group" else 1
+    group = Pooling.parse(pooling).group_size(q.shape[1], keys.shape[1])
     return ops.pooled_log_probs(ops.qk_logits(q, keys, indices), group,
                                 q.shape[-1] ** -0.5 if scale is None else scale, softcap, keep)
 
@@ -291,18 +287,18 @@ def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, sc
     idx = sel.indices
     if idx is None or idx.shape[-1] <= k:
         return sel
-    scores = exact_scores(q, keys, "head" if idx.shape[1] == q.shape[1] else "group", idx, scale, softcap)
+    scores = exact_scores(q, keys, Pooling.HEAD if idx.shape[1] == q.shape[1] else Pooling.GROUP, idx, scale, softcap)
     return replace(sel, indices=torch.gather(idx, 2, topk(scores, k)), padded=False)
 
 
-def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: str,
+def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: Pooling,
                    split: BudgetSplit) -> Selection | None:
     """The kernels' path for methods that rank keys by code distance (Adamas, LSH): the k = split.k keys of
     [split.lo, split.hi) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
     summed over each GQA group with pooling "group", by `ops.code_topk` (int16 distances, then the counting
     select). None where that kernel does not run (the references, or distances too wide for it): rank
     `code_scores` with `topk` then."""
-    pool = "sum" if pooling == "group" else None
+    pool = pooling.kernel_pool("sum")
     lo, hi = split.lo, split.hi
     k = min(split.k, hi - lo)
     if k <= 0:

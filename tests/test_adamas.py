@@ -15,7 +15,7 @@ from sparsekv.calibrate import _Block, _Objective, calibrate_adamas, codes, save
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
 from sparsekv.eval.runner import RunSpec, run_task
-from sparsekv.kernels.reference import (adamas_distance_reference, adamas_pack_reference, hadamard_matrix)
+from sparsekv.kernels.reference import code_distance_reference, code_pack_reference, hadamard_matrix
 from sparsekv.methods import CacheShape, get_method
 from sparsekv.methods.adamas import FIXED_THRESHOLDS
 from sparsekv.models import tiny_random
@@ -66,9 +66,9 @@ def hand_built(hadamard=True, rotate=True, **options):
 
 def test_hand_built_codes_and_selection():
     m, st, sel = hand_built(pooling="group")
-    assert torch.equal(st.codes[0, 0, :8], adamas_pack_reference(torch.tensor(K_CODES), bits=2))
-    q_words = adamas_pack_reference(torch.tensor(Q_CODES), bits=2).view(1, 2, -1)
-    assert adamas_distance_reference(q_words, st.codes[:, :, :8], 8).tolist() == [DIST]
+    assert torch.equal(st.codes[0, 0, :8], code_pack_reference(torch.tensor(K_CODES), bits=2))
+    q_words = code_pack_reference(torch.tensor(Q_CODES), bits=2).view(1, 2, -1)
+    assert code_distance_reference(q_words, st.codes[:, :, :8], 8).tolist() == [DIST]
     assert (sel.sink, sel.window, sel.length) == (0, 1, 8)
     assert sorted(sel.indices[0, 0].tolist()) == [0, 2, 4]
     m, _, per_head = hand_built()  # the default: per query head, as the authors' code
@@ -80,7 +80,7 @@ def test_hand_built_without_transform_and_transform_matters():
     _, _, raw = hand_built(hadamard=False, rotate=False, pooling="group")  # codes of the raw values: same example
     assert sorted(raw.indices[0, 0].tolist()) == [0, 2, 4]
     _, st, _ = hand_built(hadamard=True, rotate=False)  # the transform must be applied to the keys
-    assert not torch.equal(st.codes[0, 0, :8], adamas_pack_reference(torch.tensor(K_CODES), bits=2))
+    assert not torch.equal(st.codes[0, 0, :8], code_pack_reference(torch.tensor(K_CODES), bits=2))
 
 
 @pytest.mark.parametrize("opts", [{}, {"pooling": "group"}, {"hadamard": False, "rotate": False}])
@@ -274,7 +274,7 @@ def test_infinite_thresholds(tiny, prompt_ids, thr, code):
     assert idx.shape == (1, 2, 15) and idx.min() >= 0 and idx.max() < 49
     assert all(len(set(r)) == 15 for r in idx[0].tolist())
     if code is not None:  # every value lands in the same bucket
-        assert torch.equal(st.codes[:, :, :50], adamas_pack_reference(torch.full((1, 2, 50, 20), code), bits=2))
+        assert torch.equal(st.codes[:, :, :50], code_pack_reference(torch.full((1, 2, 50, 20), code), bits=2))
     else:  # codes 1 + [x > 0]: the same distances, so the same choice, as 1-bit codes at 0
         one = get_method("adamas", budget=16, bits=1, pooling="group")
         st1 = one.new_state(0, CacheShape(1, 2, 6, 20, 64, torch.float32, torch.device("cpu")))
@@ -313,10 +313,10 @@ def test_objective_distances_equal_the_reference():
     for bits, thr in [(1, [0.1]), (2, [-0.7, 0.0, 0.4]), (3, [-1.5, -1, -0.5, 0, 0.5, 1, 1.5]),
                       (2, [-math.inf, 0.0, math.inf])]:
         thr = torch.tensor(thr)
-        qw = adamas_pack_reference(codes(q, thr), bits).view(1, 7, -1)
-        kw = adamas_pack_reference(codes(k, thr), bits).view(1, 1, 30, -1)
+        qw = code_pack_reference(codes(q, thr), bits).view(1, 7, -1)
+        kw = code_pack_reference(codes(k, thr), bits).view(1, 1, 30, -1)
         for metric in ("l1", "l2"):
-            want = adamas_distance_reference(qw, kw, 20, bits, metric)[0]
+            want = code_distance_reference(qw, kw, 20, bits, metric)[0]
             assert torch.equal(_Objective(bits, metric).distances(blk, thr), want.long()), (bits, metric)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from sparsekv.bench import SHAPES, from_name, run_bench
 from sparsekv.errors import SparseKVError
+from sparsekv.methods import MethodOptions
 
 L, B, SINK, WINDOW, BUDGET = 2048, 2, 16, 64, 256
 shape = SHAPES["smollm2-135m"]
@@ -19,7 +20,7 @@ D, HKV, F32 = shape.head_dim, shape.kv_heads, 4
 @pytest.fixture(scope="module")
 def result():
     return run_bench("smollm2-135m", L, "dense,oracle,streaming", BUDGET, batch=B, dtype="fp32", device="cpu",
-                     sink=SINK, window=WINDOW)
+                     options=MethodOptions(sink=SINK, window=WINDOW))
 
 
 def _row(result, method):
@@ -92,7 +93,7 @@ def test_sweep_list_and_cpu_cap():
     (dict(methods="dense,bogus"), "unknown method 'bogus'"),
     (dict(shape="llama9"), "unknown shape 'llama9'"),
     (dict(dtype="fp8"), "unknown dtype"),
-    (dict(sink=200, window=100), "exceed the budget"),
+    (dict(options={"sink": 200, "window": 100}), "exceed the budget"),
 ])
 def test_bad_config_is_a_sparsekv_error(kwargs, message):
     args = dict(shape="smollm2-135m", seq=L, methods="dense,oracle", budget=BUDGET, dtype="fp32", device="cpu")
@@ -102,14 +103,14 @@ def test_bad_config_is_a_sparsekv_error(kwargs, message):
 
 def test_method_options_go_to_the_methods_that_take_them():
     r = run_bench("smollm2-135m", 512, "dense,adamas,streaming", [64], dtype="fp32", device="cpu", topk=False,
-                  method_options={"distance": "ip"})
+                  options={"distance": "ip"})
     rows = {x["method"]: x for x in r["rows"]}
     assert rows["adamas"]["method_config"]["distance"] == "ip" and "distance" not in rows["streaming"]["method_config"]
     for methods in ("dense,oracle", "sdpa"):
         with pytest.raises(SparseKVError, match="--distance apply to none of the methods"):
-            run_bench("smollm2-135m", 512, methods, [64], dtype="fp32", device="cpu", method_options={"distance": "ip"})
+            run_bench("smollm2-135m", 512, methods, [64], dtype="fp32", device="cpu", options={"distance": "ip"})
     with pytest.raises(SparseKVError, match="unknown distance 'cos'"):
-        run_bench("smollm2-135m", 512, "adamas", [64], dtype="fp32", device="cpu", method_options={"distance": "cos"})
+        run_bench("smollm2-135m", 512, "adamas", [64], dtype="fp32", device="cpu", options={"distance": "cos"})
 
 
 def test_shape_presets():
@@ -125,7 +126,7 @@ def sparsekv(*args):
 
 def test_cli_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--methods", "dense,oracle,streaming", "--budget", "256",
+    r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--method", "dense,oracle,streaming", "--budget", "256",
                  "--dtype", "fp32", "--json", str(out))
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
@@ -139,10 +140,11 @@ def test_cli_writes_json(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--budget", "4096"], "larger than the context"),
     (["--shape", "llama9"], "unknown shape 'llama9'"),
-    (["--methods", "dense,bogus"], "unknown method 'bogus'"),
-    (["--methods", "dense,oracle", "--distance", "ip"], "--distance apply to none of the methods"),
-    (["--methods", "dense,oracle", "--rerank", "4"], "--rerank apply to none of the methods"),
-    (["--methods", "dense,adamas", "--rerank", "0"], "rerank must be a whole number >= 1"),
+    (["--method", "dense,bogus"], "unknown method 'bogus'"),
+    (["--methods", "dense,bogus"], "unknown method 'bogus'"),  # the old spelling, kept hidden
+    (["--method", "dense,oracle", "--distance", "ip"], "--distance apply to none of the methods"),
+    (["--method", "dense,oracle", "--rerank", "4"], "--rerank apply to none of the methods"),
+    (["--method", "dense,adamas", "--rerank", "0"], "rerank must be a whole number >= 1"),
 ])
 def test_cli_bad_input_is_one_line(args, message):
     r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--dtype", "fp32", *args)
@@ -155,7 +157,7 @@ def test_e2e_rows_and_json(tmp_path):
     """`bench --e2e` decodes a whole model per method from one shared prefill: every row has its timings, the
     speedup against dense of the same run, the floor and the decode path."""
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
-    r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "120,200", "--methods", "dense,oracle,quest", "--budget",
+    r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "120,200", "--method", "dense,oracle,quest", "--budget",
                  "32", "--new-tokens", "5", "--batch", "1,3", "--prefill-chunk", "64", "--json", str(out), "--plot",
                  str(png))
     assert r.returncode == 0, r.stderr
@@ -182,11 +184,11 @@ def test_e2e_rows_and_json(tmp_path):
     (["--batch", "0"], "--batch must be positive"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be positive"),
     (["--budget", "32,64"], "one --budget"),
-    (["--methods", "dense,bogus"], "unknown method(s) bogus"),
+    (["--method", "dense,bogus"], "unknown method(s) bogus"),
     (["--seq", "5000"], "exceed tiny-random(seed=0)'s context"),
 ])
 def test_e2e_bad_input_is_one_line(args, message):
-    r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "100", "--methods", "dense,oracle", "--budget", "16",
+    r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "100", "--method", "dense,oracle", "--budget", "16",
                  "--new-tokens", "3", *args)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert r.returncode == 2 and lines and message in lines[-1], r.stderr
@@ -216,8 +218,8 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
 def test_rerank_bytes_count_the_gathered_keys():
     """adamas --rerank F reads F x k candidate keys per selection head on top of its codes (the probe counts the
     gather's elements, not the whole K cache)."""
-    kw = dict(dtype="fp32", device="cpu", topk=False, pooling="head")
-    rows = [run_bench("smollm2-135m", 1024, "adamas", [64], method_options=o, **kw)["rows"][0]
+    kw = dict(dtype="fp32", device="cpu", topk=False)
+    rows = [run_bench("smollm2-135m", 1024, "adamas", [64], options={"pooling": "head", **o}, **kw)["rows"][0]
             for o in ({"distance": "ip"}, {"distance": "ip", "rerank": 4})]
     k = 64 - 1  # window 1 (the paper's default), no sink
     n, words = 1024 - 1, D // 8  # middle keys; int16 words of 8 two-bit codes

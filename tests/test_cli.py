@@ -20,7 +20,8 @@ def sparsekv(*args):
      "larger than the context"),
     (["eval", "--model", "tiny-random", "--seq", "5000", "--n", "1"], "longer than tiny-random"),
     (["eval", "--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["generate", "--model", "tiny-random", "--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
+    (["generate", "--model", "tiny-random", "--prompt-file", "/nonexistent/p.txt"],
+     "--prompt-file /nonexistent/p.txt: file not found"),
     (["dump", "--model", "tiny-random", "--text-file", "/nonexistent/t.txt", "--out", "/tmp/sparsekv-x-out"],
      "not found"),
     (["artifacts", "verify", "/nonexistent/artifact"], "manifest"),
@@ -30,9 +31,11 @@ def sparsekv(*args):
     (["eval", "--model", "tiny-random", "--task", "ruler", "--subtasks", "niah_bogus", "--seq", "2000"],
      "niah_bogus"),
     (["eval", "--model", "tiny-random", "--task", "ruler", "--haystack-file", "/nonexistent/h.txt"],
-     "haystack file not found"),
-    (["eval", "--model", "tiny-random", "--batch-size", "0"], "--batch-size must be positive"),
-    (["eval", "--model", "tiny-random", "--task", "ppl", "--batch-size", "2"], "--batch-size applies to passkey"),
+     "--haystack-file /nonexistent/h.txt: file not found"),
+    (["eval", "--model", "tiny-random", "--batch", "0"], "--batch must be positive"),
+    (["eval", "--model", "tiny-random", "--task", "ppl", "--batch", "2"], "--batch applies to passkey"),
+    (["eval", "--model", "tiny-random", "--batch-size", "0"], "--batch must be positive"),  # the old spelling
+    (["eval", "--model", "tiny-random", "--method", "dense", "--sink", "4"], "--sink apply to none of the methods"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     r = sparsekv(*args)
@@ -120,7 +123,7 @@ def test_eval_recall_on_a_dump(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("Some natural-looking text to record keys and queries from, again and again. " * 60)
     dump = tmp_path / "dump"
-    r = sparsekv("dump", "--model", "tiny-random", "--text-file", str(text), "--tokens", "512", "--seq-len", "256",
+    r = sparsekv("dump", "--model", "tiny-random", "--text-file", str(text), "--tokens", "512", "--seq", "256",
                  "--queries", "8", "--out", str(dump))
     assert r.returncode == 0, r.stderr
     out = tmp_path / "recall.json"
@@ -131,24 +134,3 @@ def test_eval_recall_on_a_dump(tmp_path):
     assert [x["method"] for x in rows] == ["oracle", "streaming"]
     assert rows[0]["iou"] == pytest.approx(1.0) and rows[0]["topk_recall"] == pytest.approx(1.0)
     assert rows[1]["score"] < rows[0]["score"] and len(rows[0]["per_layer"]) == 2
-
-
-def test_long_grid_saves_the_cells_so_far(tiny, tmp_path, monkeypatch):
-    """A stopped job keeps what it measured: the grid rewrites --json while it runs, cells marked incomplete."""
-    from sparsekv import cli
-
-    out = tmp_path / "r.json"
-    cli._run_grid(tiny, "passkey", ["dense"], [16.0], [300], 2, 42, (), {}, checkpoint=out)
-    assert not out.exists()  # a short run: nothing before the final write (at most one save a minute)
-    saved = []
-    write = cli._write_json
-    monkeypatch.setattr(cli, "CHECKPOINT_S", 0.0)
-    monkeypatch.setattr(cli, "_write_json", lambda path, payload, quiet=False: (saved.append(payload),
-                                                                                write(path, payload, quiet)))
-    results = cli._run_grid(tiny, "passkey", ["dense", "oracle"], [16.0], [300], 3, 42, (), {}, checkpoint=out)
-    assert [[c["n"] for c in p] for p in saved] == [[1, 1], [2, 2], [3, 3]]  # after every prompt
-    assert all(c["complete"] is False for p in saved for c in p)
-    assert all(c["complete"] is True for c in results) and [c["n"] for c in results] == [3, 3]
-    on_disk = json.loads(out.read_text())
-    assert [c["method"] for c in on_disk] == ["dense", "oracle"] and on_disk[0]["complete"] is False
-    assert on_disk[0]["skipped_subtasks"] == {}  # the same fields as the final cells

@@ -7,7 +7,7 @@ boundaries; the real shapes (8 x 131072, k 2048; heavy ties) on the GPU when one
 import pytest
 import torch
 
-from sparsekv.kernels.adamas import code_distance, code_topk, code_topk_supported
+from sparsekv.kernels.codes import code_distance, code_topk, code_topk_supported
 from sparsekv.kernels.count_select import MAX_BITS, smallest_k, value_bits
 
 CUDA = torch.cuda.is_available()

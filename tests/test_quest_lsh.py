@@ -276,24 +276,24 @@ def test_lsh_kernel_path_equals_torch_path(monkeypatch, nbits, pooling):
 @pytest.mark.parametrize("nbits", [16, 40, 128, 512, 1024])
 def test_hamming_fast_path_extremes(nbits):
     """The 1-bit path of code_distance (xor + popcount): all bits differ, none, every other, half; odd word counts."""
-    from sparsekv.kernels.adamas import code_distance, code_scores
-    from sparsekv.kernels.reference import adamas_distance_reference, adamas_pack_reference
+    from sparsekv.kernels.codes import code_distance, code_scores
+    from sparsekv.kernels.reference import code_distance_reference, code_pack_reference
 
     ones, zeros = torch.ones(nbits, dtype=torch.uint8), torch.zeros(nbits, dtype=torch.uint8)
     alt = torch.arange(nbits) % 2
     half = (torch.arange(nbits) < nbits // 2).to(torch.uint8)
     keys = torch.stack([ones, zeros, alt.to(torch.uint8), half]).view(1, 1, 4, nbits)
-    kw = adamas_pack_reference(keys, 1).to(DEV)
-    qw = adamas_pack_reference(torch.stack([ones, zeros]).view(1, 2, nbits), 1).to(DEV)
+    kw = code_pack_reference(keys, 1).to(DEV)
+    qw = code_pack_reference(torch.stack([ones, zeros]).view(1, 2, nbits), 1).to(DEV)
     want = [[0, nbits, nbits // 2, nbits - nbits // 2], [nbits, 0, nbits // 2, nbits // 2]]
     assert code_distance(qw, kw, 4, nbits, bits=1).view(2, 4).tolist() == want
-    assert adamas_distance_reference(qw.cpu(), kw.cpu(), nbits, bits=1).view(2, 4).tolist() == want
+    assert code_distance_reference(qw.cpu(), kw.cpu(), nbits, bits=1).view(2, 4).tolist() == want
     assert code_distance(qw, kw, 4, nbits, bits=1, metric="l2").view(2, 4).tolist() == want
     assert code_scores(qw, kw, 4, nbits, bits=1, pool="sum").view(-1).tolist() == [-nbits] * 3 + [-nbits]
-    rnd = adamas_pack_reference(torch.randint(0, 2, (1, 3, 50, nbits), generator=_gen(nbits), dtype=torch.uint8), 1)
-    qr = adamas_pack_reference(torch.randint(0, 2, (1, 6, nbits), generator=_gen(1), dtype=torch.uint8), 1)
+    rnd = code_pack_reference(torch.randint(0, 2, (1, 3, 50, nbits), generator=_gen(nbits), dtype=torch.uint8), 1)
+    qr = code_pack_reference(torch.randint(0, 2, (1, 6, nbits), generator=_gen(1), dtype=torch.uint8), 1)
     assert torch.equal(code_distance(qr.to(DEV), rnd.to(DEV), 47, nbits, bits=1).cpu(),
-                       adamas_distance_reference(qr, rnd[:, :, :47], nbits, bits=1))
+                       code_distance_reference(qr, rnd[:, :, :47], nbits, bits=1))
 
 
 @pytest.mark.parametrize("pooling", ["group", "head"])

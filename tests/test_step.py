@@ -85,20 +85,6 @@ def test_static_step_through_the_kernels(tiny, prompt_ids, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_regime_changes_once_the_context_outgrows_the_budget(tiny, prompt_ids):
-    """What a captured step holds fixed: per layer that runs the method, whether its budget is below what it sees."""
-    cache = decode.make_cache(tiny, get_method("oracle", budget=210), 220, dense_layers=(1,))
-    decode._load_prefill(cache, decode.prefill(tiny, prompt_ids))  # 200 keys
-    assert cache.regime() == (False,)  # one layer runs the method; 200 keys fit the budget
-    cache.begin_step(209)
-    assert cache.regime() == (False,)  # 210 keys: still every one
-    cache.begin_step(210)
-    assert cache.regime() == (True,)
-    dense = decode.make_cache(tiny, get_method("dense"), 220)
-    decode._load_prefill(dense, decode.prefill(tiny, prompt_ids))
-    assert dense.regime() == ()
-
-
 def _tiny_qwen3() -> LoadedModel:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import SparseKVError
-from ..methods import check_options_used, get_method, method_names, options_for
+from ..methods import MethodOptions, method_names
 from ..models import LoadedModel, byte_tokenizer, load_model, wire
 from .floor import copy_bandwidth
 from .run import _device, _dtype, result_header
@@ -66,7 +66,7 @@ def random_model(shape: Shape, dtype: torch.dtype, device: torch.device, seed: i
 
 def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *, shape: Shape | str | None = None,
             model: str | None = None, batch: int | Iterable[int] = 1, new_tokens: int = 32, warmup_tokens: int = 4,
-            dtype: str | torch.dtype = "bf16", device: str = "auto", method_options: dict | None = None,
+            dtype: str | torch.dtype = "bf16", device: str = "auto", options: MethodOptions | dict | None = None,
             require_gpu: bool = False, seed: int = 0, prefill_chunk: int | None = None,
             progress: Callable[[str], None] | None = None) -> dict:
     """Decode speed of a whole model per method and batch size (module docstring): one JSON-ready dict."""
@@ -86,8 +86,8 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
     if not names or unknown:
         raise SparseKVError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; available: "
                             f"{', '.join(method_names())}")
-    options = {k: v for k, v in (method_options or {}).items() if v is not None}
-    check_options_used(names, options)
+    options = MethodOptions.of(options)
+    options.check(names)
     if shape is not None and model is not None:
         raise SparseKVError("give --shape or --model, not both")
     dt = _dtype(dtype)
@@ -117,7 +117,7 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
         **result_header("sparsekv bench --e2e", SCHEMA, dev),
         "config": {"model": lm.name, "model_source": lm.source, "layers": lm.num_layers, "q_heads": lm.q_heads,
                    "kv_heads": lm.kv_heads, "head_dim": lm.head_dim, "weights_bytes": weights, "seq": seqs,
-                   "methods": names, "budget": budget, "method_options": options, "batch": batches,
+                   "methods": names, "budget": budget, "method_options": options.given(), "batch": batches,
                    "prefill_chunk": prefill_chunk, "new_tokens": new_tokens, "warmup_tokens": warmup_tokens, "dtype": str(dt).replace("torch.", ""),
                    "device": str(dev), "seed": seed},
         "protocol": PROTOCOL,
@@ -127,7 +127,7 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
     }
 
 
-def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, options: dict, new_tokens: int,
+def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, options: MethodOptions, new_tokens: int,
                 warmup_tokens: int, seed: int, floors: dict[int, float], prefill_chunk: int | None,
                 say) -> list[dict]:
     from ..decode import generate_batch, prefill
@@ -144,15 +144,14 @@ def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, opti
     for batch, floor_ms in floors.items():
         for name in names:
             method_budget = None if name == "dense" else budget
-            opts = options_for(name, options)
             at = f"seq {seq}, batch {batch}: {name}"
             say(f"{at} (warm-up: compiles and graph capture)")
-            generate_batch(lm, None, get_method(name, budget=method_budget or 1.0, **opts), warmup_tokens,
+            generate_batch(lm, None, options.build(name, method_budget or 1.0), warmup_tokens,
                            stop_on_eos=False, prefilled=[pf] * batch)
             gc.collect()
             _reset_peak(dev)
             say(f"{at}, {new_tokens} tokens")
-            method = get_method(name, budget=method_budget or 1.0, **opts)
+            method = options.build(name, method_budget or 1.0)
             t0 = _now(dev)
             g = generate_batch(lm, None, method, new_tokens, stop_on_eos=False, prefilled=[pf] * batch)[0]
             seconds = _now(dev) - t0

@@ -12,8 +12,8 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import SparseKVError
-from ..methods import REGISTRY, check_options_used, get_method, method_names, options_for
-from ..selection import resolve_budget
+from ..methods import REGISTRY, MethodOptions, method_names
+from ..selection import BudgetSplit, check_budget, resolve_budget, split_budget
 from .decode_step import DENSE_BASELINES, DecodeBench, kernel_backends
 from .floor import copy_bandwidth, floor_us
 from .shapes import Shape, from_name
@@ -32,14 +32,14 @@ PROTOCOL = ("one decode step of one layer on random K/V (torch.randn): write the
 
 def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget: float | Iterable[float],
               batch: int = 1, dtype: str | torch.dtype = "bf16", device: str = "auto",
-              sweep: bool | Iterable[int] | None = None, *, sink: int | None = None, window: int | None = None,
-              pooling: str | None = None, method_options: dict | None = None, require_gpu: bool = False,
-              topk: bool = True, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+              sweep: bool | Iterable[int] | None = None, *, options: MethodOptions | dict | None = None,
+              require_gpu: bool = False, topk: bool = True, seed: int = 0,
+              progress: Callable[[str], None] | None = None) -> dict:
     """Time one decode step of one layer for each method; see PROTOCOL. `methods`: registry names, plus `dense`
     (= the two dense baselines `sdpa` and `flashdecode`, which may also be named alone). `budget`: token count(s)
     or fraction(s) of the context, as `--budget`. `sweep`: True for 8K..512K (what fits in memory), or a list.
-    `method_options` (e.g. {"distance": "ip"}) go to the methods whose constructor names them; one that none of
-    `methods` takes is an error."""
+    `options` (MethodOptions, or a dict of its fields, e.g. {"sink": 128, "distance": "ip"}) go to the methods that
+    take them; one that none of `methods` takes is an error."""
     say = progress or (lambda msg: None)
     shape = from_name(shape) if isinstance(shape, str) else shape
     dt = _dtype(dtype)
@@ -50,17 +50,15 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
         raise SparseKVError("give at least one --budget for the sparse methods")
     if batch <= 0 or seq <= 0:
         raise SparseKVError(f"--batch and --seq must be positive, got batch {batch}, seq {seq}")
-    options = {k: v for k, v in {"sink": sink, "window": window, "pooling": pooling}.items() if v is not None}
-    extra = {k: v for k, v in (method_options or {}).items() if v is not None}
-    check_options_used(names, extra)
-    options.update(extra)
+    options = MethodOptions.of(options)
+    options.check(names)
     itemsize = torch.empty((), dtype=dt).element_size()
 
     seqs = _seqs(seq, sweep, shape, batch, itemsize, dev, notes)
     cells = _cells(seqs, budgets, names, options, sweep is not None and sweep is not False, notes)
     if topk and all(n in DENSE_BASELINES for n in names):
         notes.append("top-k not timed: it is timed at the sparse methods' budgets (k = budget minus sink and "
-                     "window); add a sparse method, e.g. --methods dense,oracle")
+                     "window); add a sparse method, e.g. --method dense,oracle")
 
     with _kernels_env(dev) as kernels:
         if kernels["errors"]:
@@ -77,12 +75,12 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
             if dense:
                 say(f"seq {L}: dense baselines ({', '.join(dense)})")
                 rows += [dict(r, budget=None) for r in bench.dense_rows(dense)]
-            for b in cells.get(L, []):
+            for b, split in cells.get(L, []):
                 for name in (n for n in names if n not in DENSE_BASELINES):
                     say(f"seq {L}: {name} at budget {b:g}")
-                    rows.append(dict(bench.method_row(name, b, options_for(name, options)), budget=b))
+                    rows.append(dict(bench.method_row(name, b, options.for_method(name)), budget=b))
                 if topk:
-                    k = resolve_budget(b, L) - (sink or 0) - (window or 0)
+                    k = split.k
                     if k > 0:
                         say(f"seq {L}: top-{k} of {L} x {batch * shape.q_heads} rows")
                         topks += [dict(r, seq=L, budget=b) for r in topk_rows(batch * shape.q_heads, L, k, dev,
@@ -96,7 +94,8 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
         **result_header("sparsekv bench", SCHEMA, dev),
         "config": {"shape": shape.to_dict(), "seq": seqs, "requested_seq": seq, "methods": names,
                    "budgets": budgets, "batch": batch, "dtype": str(dt).replace("torch.", ""), "device": str(dev),
-                   "sink": sink, "window": window, "pooling": pooling, "sweep": bool(sweep), "seed": seed,
+                   "sink": options.sink, "window": options.window, "pooling": options.pooling, "sweep": bool(sweep),
+                   "seed": seed,
                    "cpu_fallback": dev.type != "cuda",
                    "cpu_seq_cap": CPU_SEQ_CAP if dev.type != "cuda" else None, "dense_layers": "n/a (one layer)"},
         "protocol": PROTOCOL,
@@ -192,27 +191,23 @@ def _seqs(seq: int, sweep, shape: Shape, batch: int, itemsize: int, dev: torch.d
     return fits
 
 
-def _cells(seqs: list[int], budgets: list[float], names: list[str], options: dict, sweep: bool,
-           notes: list) -> dict[int, list[float]]:
-    """Budgets to run at each seq. A budget larger than the context is an error, except in a sweep, where that
-    cell is skipped."""
+def _cells(seqs: list[int], budgets: list[float], names: list[str], options: MethodOptions, sweep: bool,
+           notes: list) -> dict[int, list[tuple[float, BudgetSplit]]]:
+    """Budgets to run at each seq, each with its split (top-k is timed at its k). A budget larger than the context
+    is an error, except in a sweep, where that cell is skipped."""
     sparse = [n for n in names if n not in DENSE_BASELINES]
     for n in sparse:
-        get_method(n, budget=budgets[0], **options_for(n, options))  # rejects bad values and pooling up front
-    cells: dict[int, list[float]] = {}
-    carve = (options.get("sink") or 0) + (options.get("window") or 0)
+        options.build(n, budgets[0])  # rejects bad values and pooling up front
+    cells: dict[int, list[tuple[float, BudgetSplit]]] = {}
     for L in seqs:
         for b in budgets:
-            k = resolve_budget(b, L)
-            if sparse and k > L:
-                if sweep:
-                    notes.append(f"budget {b:g} skipped at seq {L} (larger than the context)")
-                    continue
-                raise SparseKVError(f"budget {k} tokens is larger than the context ({L} tokens)")
-            if sparse and carve > k:
-                raise SparseKVError(f"sink ({options.get('sink') or 0}) + window ({options.get('window') or 0}) "
-                                    f"exceed the budget ({k} tokens)")
-            cells.setdefault(L, []).append(b)
+            if sparse and sweep and resolve_budget(b, L) > L:
+                notes.append(f"budget {b:g} skipped at seq {L} (larger than the context)")
+                continue
+            if sparse:
+                check_budget(b, L)
+            # the split without a method's defaults: sink and window as given (top-k's k = the rest)
+            cells.setdefault(L, []).append((b, split_budget(b, options.sink or 0, options.window or 0, L)))
     return cells if sparse else {}
 
 

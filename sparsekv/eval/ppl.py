@@ -17,15 +17,14 @@ from typing import Callable
 
 import torch
 
-from .. import __version__
 from ..activations import text_tokens
 from ..decode import prefill as dense_prefill
 from ..decode import score_continuation
 from ..errors import SparseKVError
 from ..methods import get_method
 from ..models import LoadedModel
-from ..selection import resolve_budget
-from .runner import RunSpec, check_seq, check_specs, decode_fields
+from .result import CellResult, decode_fields, decode_means, tokenizer_name
+from .runner import RunSpec, check_seq, check_specs
 
 PROTOCOL = ("perplexity by teacher-forced token-by-token decoding (PG19 protocol of Adamas / RADAR): each window of "
             "seq_len tokens gets a dense prefill of its first `prefill` tokens, then the remaining seq_len - prefill "
@@ -41,6 +40,23 @@ def ppl_tokens(lm: LoadedModel, text_file: str | Path | None = None, dataset: st
     parquet mirror of deepmind/pg19; documents are joined with EOS, the first book first). One clear
     SparseKVError line when the text is short or the dataset cannot be read (e.g. no hub access)."""
     return text_tokens(lm, text_file=text_file, dataset=dataset, tokens=want)
+
+
+def prefill_len(seq_len: int, prefill: int | None = None) -> int:
+    """Tokens prefilled densely before the scored ones: `prefill`, by default half the window."""
+    p = seq_len // 2 if prefill is None else prefill
+    if not 0 < p < seq_len:
+        raise SparseKVError(f"--prefill must be in (0, {seq_len}) for seq {seq_len}, got {p}")
+    return p
+
+
+def with_dense_score(results: list[dict]) -> list[dict]:
+    """Every cell gets `dense_score`, the dense perplexity at its length (None where dense did not run): sparse
+    perplexity is read against it."""
+    dense = {r["seq_len"]: r["score"] for r in results if r["method"] == "dense"}
+    for r in results:
+        r["dense_score"] = dense.get(r["seq_len"])
+    return results
 
 
 def check_ppl_args(lm: LoadedModel, specs: list[RunSpec], n_tokens: int, seq_len: int, prefill: int, n: int) -> None:
@@ -91,43 +107,15 @@ def ppl_grid(lm: LoadedModel, specs: list[RunSpec], token_ids: list[int] | torch
 
 def _result(lm, spec, method, seq_len, prefill, n, dense_layers, text_source, window_nll, totals, seconds,
             scored) -> dict:
-    steps = sum(t["sparse_steps"] for t in totals)
-
-    def mean_stat(key: str) -> float | None:
-        if not steps:
-            return None
-        return sum(t[key] * t["sparse_steps"] for t in totals) / steps
-
-    sel = mean_stat("selectivity")
-    total_nll = sum(window_nll)
-    return {
-        "task": "ppl",
-        "metric": "perplexity",
-        "score": math.exp(total_nll / (scored * n)),
-        "nll": total_nll / (scored * n),  # mean NLL per scored token, nats
-        "method": spec.method,
-        "method_config": method.config(),
-        "budget": spec.budget,
-        "budget_tokens": resolve_budget(spec.budget, seq_len) if spec.budget else None,
-        "seq_len": seq_len,
-        "n": n,
-        "prefill": prefill,
-        "tokens_scored": scored * n,
-        "selectivity": 1.0 if sel is None else sel,
-        "mean_selected": mean_stat("mean_selected"),
-        "mean_sink": mean_stat("mean_sink"),
-        "mean_window": mean_stat("mean_window"),
-        **decode_fields(lm, totals, mean_stat),
-        "dense_layers": sorted(dense_layers),
-        "model": lm.name,
-        "model_source": lm.source,
-        "tokenizer": getattr(lm.tokenizer, "name_or_path", "") or type(lm.tokenizer).__name__,
-        "text_source": text_source,
-        "artifact": spec.method_options.get("artifact"),
-        "seed": None,  # deterministic: windows are the first n * seq_len tokens
-        "protocol": PROTOCOL,
-        "device": str(lm.device),
-        "seconds": round(seconds, 2),
-        "sparsekv_version": __version__,
-        "per_window": [{"window": w, "ppl": math.exp(v / scored)} for w, v in enumerate(window_nll)],
-    }
+    nll = sum(window_nll) / (scored * n)  # mean NLL per scored token, nats
+    return CellResult(
+        task="ppl", metric="perplexity", score=math.exp(nll), method=spec.method, method_config=method.config(),
+        budget=spec.budget, seq_len=seq_len, n=n, decode=decode_means(totals), model=lm.name, model_source=lm.source,
+        artifact=spec.method_options.get("artifact"),
+        seed=None,  # deterministic: windows are the first n * seq_len tokens
+        protocol=PROTOCOL, device=str(lm.device), seconds=seconds, dense_layers=list(dense_layers),
+        measures={"nll": nll},
+        task_fields={"prefill": prefill, "tokens_scored": scored * n, **decode_fields(lm, totals),
+                     "tokenizer": tokenizer_name(lm), "text_source": text_source,
+                     "per_window": [{"window": w, "ppl": math.exp(v / scored)} for w, v in enumerate(window_nll)]},
+    ).to_json()

@@ -34,14 +34,14 @@ from typing import Any, Callable
 import torch
 
 
-from .. import __version__
 from ..activations import Activations, check_fingerprint
 from ..cache import DecodeStats
 from ..errors import SparseKVError
 from ..patterns import FULL, AttentionPattern
 from ..methods import CacheShape, Method, get_method
 from ..models import LoadedModel
-from ..selection import Selection, resolve_budget
+from ..selection import Selection
+from .result import CellResult, decode_means
 from .runner import RunSpec, check_specs
 
 PROTOCOL = ("selection quality on dumped activations (offline, no model forward): for each dumped query at position "
@@ -89,6 +89,13 @@ class _Acc:
 
     def mean(self, key: str) -> float | None:
         return self.sums[key] / self.n if self.n else None
+
+
+def default_min_context(budgets: list[float]) -> int:
+    """Queries whose whole context fits the budget are trivially exact: by default only those that see more keys
+    than the largest token budget are evaluated (a fractional budget sets no floor)."""
+    counts = [b for b in budgets if b >= 1]
+    return int(max(counts)) + 1 if counts else 0
 
 
 def query_rows(acts: Activations, max_queries: int | None = None, min_context: int = 0) -> torch.Tensor:
@@ -294,12 +301,6 @@ def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | 
         vals = [v for v in vals if v == v]  # NaN: no reference
         return sum(vals) / len(vals) if vals else None
 
-    totals = [a.stats.summary() for a in acc]
-    steps = sum(t["sparse_steps"] for t in totals)
-
-    def mean_stat(key: str) -> float | None:
-        return sum(t[key] * t["sparse_steps"] for t in totals) / steps if steps else None
-
     def r4(v):
         return None if v is None or v != v else round(v, 6)
 
@@ -307,38 +308,17 @@ def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | 
                   "selectivity": r4(a.stats.summary()["selectivity"]),
                   "queries_dense": r4(a.dense / a.queries if a.queries else None)}
                  for i, a in enumerate(acc)]
-    sel = mean_stat("selectivity")
-    dense_q = sum(a.dense for a in acc) / max(sum(a.queries for a in acc), 1)
-    model = acts.manifest.get("model") or {}
     mass = mean("attention_mass_recall")
-    return {
-        "task": "recall",
-        "metric": "attention_mass_recall",
-        "score": None if mass is None else 100.0 * mass,
-        **{k: mean(k) for k in METRICS},
-        "iou_reference": None if ref is None else ref.config(),
-        "method": spec.method,
-        "method_config": method.config(),
-        "budget": spec.budget,
-        "budget_tokens": resolve_budget(spec.budget, seq_len) if spec.budget else None,
-        "seq_len": seq_len,
-        "n": n_queries,
-        "queries_dense": dense_q,  # share of (layer, query) selections that read the whole context
-        "selectivity": 1.0 if sel is None else sel,
-        "mean_selected": mean_stat("mean_selected"),
-        "mean_sink": mean_stat("mean_sink"),
-        "mean_window": mean_stat("mean_window"),
-        "mean_context": mean_stat("mean_context"),
-        "dense_layers": [],
-        "model": model.get("name", ""),
-        "model_source": lm.source if lm is not None else f"dump {acts.path}",
-        "dump": str(acts.path),
-        "text_source": acts.data.get("source", ""),
-        "artifact": spec.method_options.get("artifact"),
-        "seed": acts.data.get("seed"),  # the dump's query sampling seed
-        "protocol": PROTOCOL,
-        "device": str(lm.device) if lm is not None else "cpu",
-        "seconds": round(seconds, 2),
-        "sparsekv_version": __version__,
-        "per_layer": per_layer,
-    }
+    return CellResult(
+        task="recall", metric="attention_mass_recall", score=None if mass is None else 100.0 * mass,
+        method=spec.method, method_config=method.config(), budget=spec.budget, seq_len=seq_len, n=n_queries,
+        decode=decode_means([a.stats.summary() for a in acc]), model=(acts.manifest.get("model") or {}).get("name", ""),
+        model_source=lm.source if lm is not None else f"dump {acts.path}", artifact=spec.method_options.get("artifact"),
+        seed=acts.data.get("seed"),  # the dump's query sampling seed
+        protocol=PROTOCOL, device=str(lm.device) if lm is not None else "cpu", seconds=seconds,
+        measures={**{k: mean(k) for k in METRICS}, "iou_reference": None if ref is None else ref.config()},
+        task_fields={
+            # share of (layer, query) selections that read the whole context
+            "queries_dense": sum(a.dense for a in acc) / max(sum(a.queries for a in acc), 1),
+            "dump": str(acts.path), "text_source": acts.data.get("source", ""), "per_layer": per_layer,
+        }).to_json()

@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import __version__
 from ..decode import generate_batch, prefill
 from ..errors import SparseKVError
 from ..methods import get_method, method_names
 from ..models import LoadedModel
-from ..selection import resolve_budget
+from ..selection import check_budget
 from . import metrics, passkey
+from .result import CellResult, decode_fields, decode_means, tokenizer_name
 
 PROTOCOL = ("query-aware decode: dense prefill of context + question + answer prefix; the method selects keys at "
             "every decode step; generated tokens are indexed as they are appended; greedy decoding")
@@ -50,12 +50,6 @@ def check_task(task: str, generation_only: bool = False) -> None:
     known = sorted(TASKS) if generation_only else sorted([*TASKS, *OTHER_TASKS])
     if task not in known:
         raise SparseKVError(f"unknown task {task!r}; available: {', '.join(known)}")
-
-
-def check_budget(budget: float, seq_len: int) -> None:
-    b = resolve_budget(budget, seq_len)
-    if b > seq_len:
-        raise SparseKVError(f"budget {b} tokens is larger than the context ({seq_len} tokens)")
 
 
 def check_specs(specs: list[RunSpec], seq_len: int) -> None:
@@ -147,28 +141,11 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
     return results(True)
 
 
-def decode_fields(lm: LoadedModel, totals: list[dict], mean_stat: Callable[[str], float | None]) -> dict:
-    """How a cell's decode steps ran: `mean_context`, the keys a sparse step's layer could see on average (its
-    sliding window, else the whole cache: selectivity is attended / that); the layers that attend a sliding window
-    ({layer: keys}); the decode path (CUDA-graph replay, or eager and why)."""
-    paths = sorted({t.get("decode_path") for t in totals if t.get("decode_path")})
-    return {"mean_context": mean_stat("mean_context"),
-            "sliding_window_layers": {str(i): p.span for i, p in enumerate(lm.patterns) if p.span},
-            "decode_path": paths[0] if len(paths) == 1 else (paths or None)}
-
-
 def _mean(xs: list[float]) -> float:
     return 100.0 * sum(xs) / len(xs)
 
 
 def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, totals, seconds, skipped) -> dict:
-    steps = sum(t["sparse_steps"] for t in totals)
-
-    def mean_stat(key: str) -> float | None:
-        if not steps:
-            return None
-        return sum(t[key] * t["sparse_steps"] for t in totals) / steps
-
     per_depth: dict[float, list[float]] = {}
     per_subtask: dict[str, list[float]] = {}
     for r in rows:
@@ -176,44 +153,27 @@ def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, 
             per_depth.setdefault(round(r["depth"], 4), []).append(r["score"])
         if r["subtask"] is not None:
             per_subtask.setdefault(r["subtask"], []).append(r["score"])
-    sel = mean_stat("selectivity")
     # RULER's average is the mean of the subtask scores (each subtask weighs the same whatever its n)
     score = (sum(_mean(v) for v in per_subtask.values()) / len(per_subtask)) if per_subtask else \
         _mean([r["score"] for r in rows])
-    return {
-        "task": task,
-        "metric": METRICS[task],
-        "score": score,
-        "method": spec.method,
-        "method_config": method.config(),
-        "budget": spec.budget,
-        "budget_tokens": resolve_budget(spec.budget, seq_len) if spec.budget else None,
-        "seq_len": seq_len,
-        "n": len(rows),
-        "selectivity": 1.0 if sel is None else sel,
-        "mean_selected": mean_stat("mean_selected"),
-        "mean_sink": mean_stat("mean_sink"),
-        "mean_window": mean_stat("mean_window"),
-        **decode_fields(lm, totals, mean_stat),
-        "dense_layers": sorted(dense_layers),
-        "per_depth": [{"depth": d, "n": len(v), "score": _mean(v)} for d, v in sorted(per_depth.items())],
-        "per_subtask": [{"subtask": k, "n": len(v), "score": _mean(v),
-                         "metric": next(x.metric for x in samples if x.subtask == k),
-                         "template": next(x.template for x in samples if x.subtask == k),
-                         # RULER counts a prediction as null after its cleanup (control characters removed)
-                         "nulls": sum(1 for r in rows if r["subtask"] == k and not metrics.postprocess(r["prediction"]))}
-                        for k, v in per_subtask.items()],
-        "skipped_subtasks": skipped,
-        "model": lm.name,
-        "model_source": lm.source,
-        "tokenizer": getattr(lm.tokenizer, "name_or_path", "") or type(lm.tokenizer).__name__,
-        "template": samples[0].template,
-        "gen_tokens": sorted({x.max_new_tokens for x in samples}),
-        "artifact": spec.method_options.get("artifact"),
-        "seed": seed,
-        "protocol": PROTOCOL,
-        "device": str(lm.device),
-        "seconds": round(seconds, 2),
-        "sparsekv_version": __version__,
-        "samples": rows,
-    }
+    return CellResult(
+        task=task, metric=METRICS[task], score=score, method=spec.method, method_config=method.config(),
+        budget=spec.budget, seq_len=seq_len, n=len(rows), decode=decode_means(totals), model=lm.name,
+        model_source=lm.source, artifact=spec.method_options.get("artifact"), seed=seed, protocol=PROTOCOL,
+        device=str(lm.device), seconds=seconds, dense_layers=list(dense_layers),
+        task_fields={
+            **decode_fields(lm, totals),
+            "per_depth": [{"depth": d, "n": len(v), "score": _mean(v)} for d, v in sorted(per_depth.items())],
+            "per_subtask": [{"subtask": k, "n": len(v), "score": _mean(v),
+                             "metric": next(x.metric for x in samples if x.subtask == k),
+                             "template": next(x.template for x in samples if x.subtask == k),
+                             # RULER counts a prediction as null after its cleanup (control characters removed)
+                             "nulls": sum(1 for r in rows
+                                          if r["subtask"] == k and not metrics.postprocess(r["prediction"]))}
+                            for k, v in per_subtask.items()],
+            "skipped_subtasks": skipped,
+            "tokenizer": tokenizer_name(lm),
+            "template": samples[0].template,
+            "gen_tokens": sorted({x.max_new_tokens for x in samples}),
+            "samples": rows,
+        }).to_json()

@@ -1,10 +1,11 @@
-"""Adamas (Yan et al., 2025; shared/papers/adamas.txt): Hadamard transform, 2-bit bucket codes, L1 distance, top-k.
+"""Adamas (Yan et al., 2025): Hadamard transform, 2-bit bucket codes, L1 distance, top-k.
 
-Algorithm 1 of the paper, as `append` and `select` run it: every key is transformed (H_K = KH, line 1), bucketized
-into {0..3}^d by thresholds B1 < B2 < B3 (line 2, Eq. 5: code = #thresholds strictly below the value) and packed 8
-codes per int16 (line 3) into a buffer beside K/V (line 4). At a decode step the query goes through the same three
-steps; the Manhattan distance between its codes and every key's (line 5, Eq. 6) ranks the keys and the top-k
-closest are attended (lines 6-8, the shared top-k and sparse decode).
+Algorithm 1 of the paper ("ADAMAS: Hadamard Sparse Attention for Efficient Long-Context Inference"), as `append` and
+`select` run it: every key is transformed (H_K = KH, line 1), bucketized into {0..3}^d by thresholds B1 < B2 < B3
+(line 2, Eq. 5: code = #thresholds strictly below the value) and packed 8 codes per int16 (line 3) into a buffer
+beside K/V (line 4). At a decode step the query goes through the same three steps; the Manhattan distance between
+its codes and every key's (line 5, Eq. 6) ranks the keys and the top-k closest are attended (lines 6-8, the shared
+top-k and sparse decode).
 
 Defaults and where they come from:
 - thresholds (-10, 0, 10): the paper only says "predefined"; the authors' code fixes these for every model, layer
@@ -20,19 +21,20 @@ Defaults and where they come from:
 Distance "ip" (ours, not in the paper): the query is Hadamard-transformed but not quantized, and each key's codes
 are read as their buckets' midpoints (kernels/reference.py::adamas_bucket_centers of the key thresholds): the score
 q · c[code(k)] estimates q · k, where the L1 distance between two codes only compares their signs and rough sizes.
-Same codes, same cache, nothing more to fit; the query thresholds go unused. On SmolLM2 (results/eval-smollm2.md,
-session 14): exact top-64 recall 0.665 against 0.479, and dense-level passkey and RULER NIAH 4K at budget 64; its
-kernel (kernels/adamas.py::code_ip_scores) costs 80 against 23 µs per layer at 131072 tokens on the H100.
+Same codes, same cache, nothing more to fit; the query thresholds go unused. On SmolLM2 it keeps far more of the
+exact top-k keys than L1 and stays near dense on RULER NIAH and passkey at small budgets (BENCHMARKS.md, "RULER NIAH
+on the default model, by budget"); its scoring kernel (kernels/codes.py::code_ip_scores) costs more than L1's: a
+decode step at 131072 tokens takes 160 against 89 µs on the H100 (BENCHMARKS.md, "Decode step of one layer").
 Re-rank (ours, `rerank=F`, off by default): the distance picks F x k candidates and the exact q·k of their cached
-keys keeps k (selection.rerank_exact; the oracle's choice among them). On SmolLM2, RULER NIAH 8K with ip at budget
-512 (199 prompts, results/eval-smollm2.md, session 16): 85.8 % of dense, 91.8 % with F = 4, the exact top-512 96.1 %;
-at budget 128 it does not help (the exact top-128 itself keeps 87 %). Cost at 131072 tokens, budget 2048, F = 4, per
-query head on the H100: 243 against 159 µs per layer (the candidates' keys read by kernels/sparse_decode.py::qk_logits).
+keys keeps k (selection.rerank_exact; the oracle's choice among them). On SmolLM2's RULER NIAH 8K with ip it cannot
+help at budget 128, where the exact top-128 itself keeps no more of dense than ip; at budget 512 the exact selection
+comes close to dense and ip does not, and a prototype of this re-rank recovered part of that gap. It costs: at 131072
+tokens, budget 2048, F = 4, per query head, a step takes 243 against 160 µs on the H100, more than dense (the
+candidates' keys read by kernels/sparse_decode.py::qk_logits; BENCHMARKS.md, "Decode step of one layer").
 GQA: the query heads of a group use their KV head's thresholds. Pooling "head", the default, chooses per query head,
 as the authors' repeat_kv implementation does (and as `sparsekv calibrate` fits: each query head's own top-k); "group"
-sums the group's negated distances and makes one choice per KV head, which reads fewer keys but ranks worse: on
-SmolLM2 (RULER NIAH, H100, budget 64 / 128) 13.1 / 20.6 at 4K and 8.3 / 8.3 at 8K against 18.1 / 31.9 and 20.8 / 26.0
-per head (results/eval-smollm2.md).
+sums the group's negated distances and makes one choice per KV head, which reads fewer keys but ranks worse: with
+the same thresholds it scored lower on SmolLM2's RULER NIAH at 4K and 8K, budgets 64 and 128.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ from typing import Any, Sequence
 
 import torch
 
-from sparsekv.kernels.reference import (adamas_bucket_centers, adamas_pack_reference, hadamard_matrix,
+from sparsekv.kernels.reference import (adamas_bucket_centers, code_pack_reference, hadamard_matrix,
                                         quantize_pack_reference)
 
 from .. import ops
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
+from ..pooling import Pooling
 from ..selection import BudgetSplit, Selection, code_selection, rerank_exact, topk_selection
 from .base import CacheShape, LayerState, Method, register
 
@@ -71,10 +74,10 @@ class Adamas(Method):
     summary = "Hadamard + 2-bit codes, L1 distance (or the query against the codes: ip) -> top-k tokens (Adamas)"
     default_sink = 0
     default_window = 1
-    default_pooling = "head"  # the authors' repeat_kv: every query head picks its own keys (docstring, GQA)
+    default_pooling = Pooling.HEAD  # the authors' repeat_kv: every query head picks its own keys (docstring, GQA)
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str | None = None, artifact: str | Path | None = None,
+                 pooling: Pooling | str | None = None, artifact: str | Path | None = None,
                  thresholds: Sequence[float] | torch.Tensor | None = None, hadamard: bool | None = None,
                  bits: int | None = None, distance: str | None = None, rerank: int | None = None, **options: Any):
         """`hadamard`, `bits`, `distance` left as None take the artifact's settings, else the paper's
@@ -137,7 +140,7 @@ class Adamas(Method):
             hadamard_for(shape.head_dim, shape.device)  # fail on the first layer, naming the dim
         thr = self.layer_thresholds(layer, shape.kv_heads).to(shape.device)
         q_thr = self.layer_thresholds(layer, shape.kv_heads, queries=True).to(shape.device)
-        words = adamas_pack_reference(torch.zeros(1, shape.head_dim, dtype=torch.uint8), self.bits).shape[-1]
+        words = code_pack_reference(torch.zeros(1, shape.head_dim, dtype=torch.uint8), self.bits).shape[-1]
         codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
                             device=shape.device)
         return AdamasState(codes=codes, thresholds=thr.contiguous(), q_thresholds=q_thr.contiguous(),
@@ -170,7 +173,7 @@ class Adamas(Method):
         if sel is not None:  # distances and their top-k by counting
             return sel
         scores = ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
-                                 pool="sum" if self.pooling == "group" else None)  # -distance: closer scores higher
+                                 pool=self.pooling.kernel_pool("sum"))  # -distance: closer scores higher
         return topk_selection(scores, split)
 
     def ip_scores(self, state: AdamasState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -180,8 +183,8 @@ class Adamas(Method):
         qh = q[:, :, 0].float()
         if self.hadamard:
             qh = qh @ hadamard_for(D, q.device)
-        pool = "sum" if self.pooling == "group" else None
-        return ops.code_ip_scores(qh, state.codes[:, :, lo:], state.centers, hi - lo, D, self.bits, pool=pool)
+        return ops.code_ip_scores(qh, state.codes[:, :, lo:], state.centers, hi - lo, D, self.bits,
+                                  pool=self.pooling.kernel_pool("sum"))
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:

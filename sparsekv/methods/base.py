@@ -33,6 +33,7 @@ import torch
 
 from ..errors import SparseKVError
 from ..patterns import FULL, AttentionPattern
+from ..pooling import Pooling
 from ..selection import BudgetSplit, Selection, resolve_budget, split_budget
 
 
@@ -85,25 +86,28 @@ class Method:
     summary: ClassVar[str] = ""
     default_sink: ClassVar[int] = 0
     default_window: ClassVar[int] = 0
-    default_pooling: ClassVar[str] = "group"  # GQA: one choice per KV head ("group") or per query head ("head")
+    default_pooling: ClassVar[Pooling] = Pooling.GROUP
     needs_pre_rope: ClassVar[bool] = False  # the cache un-rotates keys/queries only for methods that ask
     needs_artifact: ClassVar[bool] = False
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str | None = None, **options: Any):
+                 pooling: Pooling | str | None = None, **options: Any):
         if options:
             raise SparseKVError(f"method {self.name!r} has no option(s) {', '.join(sorted(options))}")
         if budget <= 0:
             raise SparseKVError(f"budget must be positive, got {budget}")
-        pooling = self.default_pooling if pooling is None else pooling
-        if pooling not in ("group", "head"):
-            raise SparseKVError(f"unknown pooling {pooling!r}: use 'group' or 'head'")
+        self.pooling = Pooling.parse(self.default_pooling if pooling is None else pooling)
         self.budget = budget
         self.sink = self.default_sink if sink is None else int(sink)
         self.window = self.default_window if window is None else int(window)
         if self.sink < 0 or self.window < 0:
             raise SparseKVError("sink and window must be >= 0")
-        self.pooling = pooling
+
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """The options this method takes: its constructor's named parameters, the budget aside."""
+        params = inspect.signature(cls.__init__).parameters.values()
+        return frozenset(p.name for p in params if p.name not in ("self", "budget") and p.kind is not p.VAR_KEYWORD)
 
     # -- offline ---------------------------------------------------------------------------------------------
     def fit(self, acts: Any, cfg: Any) -> Any:
@@ -138,7 +142,7 @@ class Method:
     def config(self) -> dict[str, Any]:
         """Everything that defines the method's behaviour: recorded in every result and artifact."""
         return {"method": self.name, "budget": self.budget, "sink": self.sink, "window": self.window,
-                "pooling": self.pooling}
+                "pooling": self.pooling.value}
 
 
 def write_at(buf: torch.Tensor, pos: int | torch.Tensor, x: torch.Tensor) -> None:
@@ -171,23 +175,3 @@ def get_method(name: str, **cfg: Any) -> Method:
     if name not in REGISTRY:
         raise SparseKVError(f"unknown method {name!r}; available: {', '.join(names)}")
     return REGISTRY[name](**cfg)
-
-
-def options_for(method: str, options: dict) -> dict:
-    """The options a run of `method` gets from a command line's: dense (and the bench's dense baselines, which are
-    not registered methods) take none; method-specific ones (artifact, bits, distance, ...) go only to the methods
-    whose constructor names them. Names are checked before this, by the caller."""
-    method_names()  # fills REGISTRY
-    if method == "dense" or method not in REGISTRY:
-        return {}
-    accepts = inspect.signature(REGISTRY[method].__init__).parameters
-    return {k: v for k, v in options.items() if k in accepts}
-
-
-def check_options_used(methods: list[str], options: dict) -> None:
-    """An option no method in the grid takes is a mistake to report, not to drop silently."""
-    used = set().union(*(options_for(m, options) for m in methods)) if methods else set()
-    unused = sorted(set(options) - used)
-    if unused:
-        raise SparseKVError(f"option(s) {', '.join('--' + u for u in unused)} apply to none of the methods "
-                            f"{', '.join(methods)}")

@@ -1,13 +1,13 @@
 """Linear LSH (SimHash): sign bits of random projections, Hamming distance, top-k tokens.
 
-The linear-hashing baseline of Spotlight Attention (shared/papers/spotlight.txt, §3.2 eq. 4 and §4.1 "Linear
-Hashing"), the hashing MagicPIG (Chen et al., 2024) retrieves with: H(x) = sign(x R) with R in
-R^{d x nbits}. `append` hashes every post-RoPE key with its KV head's R and packs the bits 16 per int16 beside K/V;
-at a decode step the query is hashed with the same R and the keys whose codes are closest in Hamming distance are
-attended (eq. 3: matching bits counted, which is nbits - Hamming).
+The linear-hashing baseline of Spotlight Attention ("Towards Efficient LLM Generation via Non-linear Hashing-based
+KV Cache Retrieval", §3.2 eq. 4 and §4.1 "Linear Hashing"), the hashing MagicPIG (Chen et al., 2024) retrieves
+with: H(x) = sign(x R) with R in R^{d x nbits}. `append` hashes every post-RoPE key with its KV head's R and packs
+the bits 16 per int16 beside K/V; at a decode step the query is hashed with the same R and the keys whose codes are
+closest in Hamming distance are attended (eq. 3: matching bits counted, which is nbits - Hamming).
 
 A 1-bit code with threshold 0 and the L1 distance of 1-bit codes are exactly what the Adamas kernels compute with
-bits=1, no transform, thresholds (0,): the projection is a matmul, then `kernels/adamas.py` packs and scores (its
+bits=1, no transform, thresholds (0,): the projection is a matmul, then `kernels/codes.py` packs and scores (its
 1-bit path is xor + popcount; the torch references of `kernels/reference.py` off the GPU). No second Hamming kernel.
 
 Defaults and where they come from:
@@ -39,6 +39,7 @@ from sparsekv.kernels.reference import quantize_pack_reference
 
 from .. import ops
 from ..errors import SparseKVError
+from ..pooling import Pooling
 from ..selection import Selection, code_selection, topk_selection
 from .base import CacheShape, LayerState, Method, register
 
@@ -61,7 +62,7 @@ class LSH(Method):
     default_window = 0
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str | None = None, nbits: int = 128, seed: int = 0, projection: str = "rotation",
+                 pooling: Pooling | str | None = None, nbits: int = 128, seed: int = 0, projection: str = "rotation",
                  **options: Any):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.nbits, self.seed, self.projection = int(nbits), int(seed), str(projection)
@@ -106,7 +107,7 @@ class LSH(Method):
         if q_words is None:
             q_words = self.query_words(state, q)
         return ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
-                               pool="sum" if self.pooling == "group" else None)
+                               pool=self.pooling.kernel_pool("sum"))
 
     def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
         """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""

@@ -3,7 +3,8 @@
 GQA: with pooling "group" the query heads of a group share one choice, made on the sum of their softmax
 probabilities (the choice that keeps the most attention mass for the group); "head" chooses per query head.
 On the GPU q·k comes from the sparse-decode kernel (kernels/sparse_decode.py::qk_logits, every key read once for its
-group): 204.5 µs per layer at 131072 tokens, budget 2048, on the H100 (865 with torch's einsum; kernels-h100.md).
+group), several times faster than torch's einsum: a decode step at 131072 tokens, budget 2048, takes about what
+dense flash-decoding does on the H100 (BENCHMARKS.md, "Decode step of one layer").
 """
 
 import torch

@@ -44,6 +44,7 @@ import torch
 from .. import ops
 from ..errors import SparseKVError
 from ..patterns import window_start
+from ..pooling import Pooling
 from ..selection import BudgetSplit, Selection
 from .base import CacheShape, LayerState, Method, register
 
@@ -68,7 +69,7 @@ class Quest(Method):
     default_sink = 0
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str | None = None, page_size: int = 16, **options: Any):
+                 pooling: Pooling | str | None = None, page_size: int = 16, **options: Any):
         """`window` None (default) is Quest's: the last, partially filled page."""
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.auto_window = window is None
@@ -143,7 +144,8 @@ class Quest(Method):
             chosen = torch.gather(scores, 2, pick) > float("-inf")  # fewer choosable pages than k: pad
             blocks.append(torch.where(chosen, pick + p_lo, -1))
         if self.auto_window:  # the page of the newest key, always attended (the authors' "last page")
-            H = blocks[0].shape[1] if blocks else (q.shape[1] if self.pooling == "head" else state.bounds.shape[1])
+            heads = q.shape[1] if self.pooling is Pooling.HEAD else state.bounds.shape[1]
+            H = blocks[0].shape[1] if blocks else heads
             blocks.append(last.expand(q.shape[0], H, 1))
         if not blocks:
             return state.selection(sink=sink, window=window)
@@ -162,8 +164,7 @@ class Quest(Method):
 
     def page_scores(self, state: QuestState, q: torch.Tensor, p_lo: int, p_hi: int) -> torch.Tensor:
         """Upper bounds of pages [p_lo, p_hi), fp32 [B, Hsel, pages]: pooling "group" takes the group's max."""
-        pool = "max" if self.pooling == "group" else None
-        return ops.page_scores(q, state.bounds[:, :, p_lo:], p_hi - p_lo, pool)
+        return ops.page_scores(q, state.bounds[:, :, p_lo:], p_hi - p_lo, self.pooling.kernel_pool("max"))
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()

@@ -4,6 +4,7 @@ Defaults follow the paper: 4 sink tokens; the window takes the rest of the budge
 """
 
 from ..errors import SparseKVError
+from ..pooling import Pooling
 from ..selection import Selection
 from .base import LayerState, Method, register
 
@@ -15,7 +16,7 @@ class Streaming(Method):
     default_sink = 4
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
-                 pooling: str | None = None, **options):
+                 pooling: Pooling | str | None = None, **options):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.auto_window = window is None  # the window fills whatever the sink leaves of the budget
 

@@ -117,7 +117,7 @@ def load(dataset: str) -> QAData:
         try:
             import datasets
         except ImportError as e:
-            raise QAUnavailable(f"{what} needs the `datasets` package ({e})") from None
+            raise QAUnavailable(f"{what} needs the `datasets` package: pip install 'sparsekv[data]' ({e})") from None
         if not datasets.config.HF_HUB_OFFLINE and not _cached_locally(hub_id):
             why = _hub_reachable()
             if why:

@@ -1,0 +1,628 @@
+"""Packed-code kernels in Triton: Adamas' bucket codes (its Algorithm 1, lines 1-3 and 5) and LSH's sign bits.
+
+quantize_pack(_into)  Hadamard transform + bucketize + pack, fused: one program per (batch, head, block of rows)
+                      multiplies its rows by the ±1 Hadamard matrix whose columns were permuted beforehand so that
+                      output column w·PW2 + i is dimension w·PW + i (PW codes per word, PW2 its next power of two,
+                      padded columns zero). The fp32 result, reshaped [rows, words, PW2], is compared with the
+                      thresholds and each code shifted to bit `bits·i` and summed: the words come out of registers
+                      with no intermediate tensor in memory. Keys are written straight into the cache state.
+code_distance         Σ_dims |qc - kc| (or (qc - kc)²) of each query's codes against the first `length` keys' codes.
+code_scores           the same, negated (higher = closer) in fp16/fp32 for the shared top-k, optionally pooled over
+                      the GQA group, so the selection needs no separate pooling pass.
+code_topk             the k nearest keys' indices: the distances as int16, then the counting select
+                      (`count_select.py`): integer distances tie massively, which counting handles exactly and fast.
+
+Code layout (kernels/reference.py is the spec): code i of a word's group at bits [bits·i, bits·(i+1)); 16 codes per
+int16 for bits=1, 8 for bits=2, 5 for bits=3 (bit 15 unused); code = number of thresholds strictly below the value.
+
+The 2-bit L1 fast path (the paper's configuration). For codes a, b in {0..3}, |a - b| = Σ_t [a > t] xor [b > t]
+(thermometer code), and the three thermometer bits of every 2-bit field are (hi | lo), hi, (hi & lo). On CUDA
+(`popc=2`, the default) the words are read as int64 lanes (four int16 words, 32 codes; int32 lanes of 16 codes when
+the word count is only even, int16 words when odd). Of each int32 half, two planes: a = [>0] at even bits | [>1] at
+odd bits and b = [>2] at even bits; the two halves' b share one word (even / odd bits). The distance of the 32 codes
+is then the number of bits set in x1 = a0 ^ a0', x2 = a1 ^ a1', x3 = b ^ b' together, which a carry-save adder turns
+into two POPCs: ones = x1 ^ x2 ^ x3 and twos = majority = ((x1 ^ x3) & (x2 ^ x3)) ^ x3, counted as ones + 2·twos. Xor
+being linear, the key's a0 ^ a1 ^ b, a0 ^ b, a1 ^ b and b are made once per key tile for the whole query group, and
+each query head costs 5 xors, an and, 2 POPCs, a shift and an add per 32 codes. `popc=1` counts each int32 lane's
+two planes with a POPC each. The interpreter (no PTX) and `popc=0` keep the SWAR path: a lane's 16 distances are
+three xors and one add (each 2-bit field holds a sum <= 3, no carry), then a SWAR horizontal sum (2 -> 4 -> 8 bits,
+bytes summed over the row, then 8 -> 32 bits once per key), ~12 integer ops per 16 codes and query head. Either way
+the query heads of a group loop over the key tile loaded once (GQA: each KV head's words are read once). Other
+(bits, metric) unpack the key tile once into codes [keys, words, PW2] and take |d| or d² code by code (the ablations:
+correct, not tuned), except 1-bit codes: their L1 (= L2) distance is the Hamming distance, a POPC of each lane's xor
+on CUDA (a SWAR popcount into per-byte counts in the interpreter; the SimHash codes of the `lsh` method, 128 bits).
+
+H100 (CUDA-graph replay; 131072 keys x 8 KV heads x 16 words, D 128: 33.5 MB read, ~11 µs at 3 TB/s; 4 query
+heads per KV head). The SWAR path is compute-bound (~470 integer ops per key against Hopper's 64 INT32
+lanes/SM/clock): 42.2 µs per query head (int16 out), 40.4 pooled. POPC runs beside the integer
+pipe: one per int32 plane 27.0 / 24.0, the int64 pairs 19.4 / 16.9 (32768 keys: 11.9 -> 6.1, 11.2 -> 5.4). 1-bit
+(LSH, 8 words): 19.5 -> 10.9 per query head, 18.5 -> 8.5 pooled. Per-query-head int32 output would add 16.8 MB of
+writes, which is why code_scores(pool=...) writes one row per KV head instead.
+
+References: kernels/reference.py::code_bucketize_reference, code_pack_reference, code_distance_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import count_select
+from .hadamard import _prec, hadamard_signs
+from .reference import _per_word, hadamard_matrix
+
+_POOLS = {None: 0, "sum": 1, "min": 2}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantize + pack
+
+
+@triton.jit
+def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, START, scale,
+                          stride_xb, stride_xh, stride_xn, stride_ob, stride_oh, stride_on, stride_th,
+                          D: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                          PW2: tl.constexpr, T: tl.constexpr, TRANSFORM: tl.constexpr, PREC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_WC: tl.constexpr,
+                          N_WC: tl.constexpr, ROW_START: tl.constexpr = False):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = rows < n
+    x_base = X + b * stride_xb + h * stride_xh
+    if ROW_START:  # each batch row's first position, read on the device (a graph-replayed decode step)
+        start = tl.load(START + b).to(tl.int64)
+    o_base = OUT + b * stride_ob + h * stride_oh + start * stride_on
+    th_base = TH + (h // rep) * stride_th
+    slot = tl.arange(0, PW2)
+    if TRANSFORM:
+        dd = tl.arange(0, BLOCK_D)
+        x = tl.load(x_base + rows[:, None] * stride_xn + dd[None, :], mask=r_ok[:, None] & (dd < D)[None, :],
+                    other=0.0)
+    for wc in tl.static_range(N_WC):
+        w = wc * BLOCK_WC + tl.arange(0, BLOCK_WC)
+        dim = w[:, None] * PW + slot[None, :]  # [BLOCK_WC, PW2]
+        valid = (slot < PW)[None, :] & (dim < D)  # padding codes stay 0
+        if TRANSFORM:
+            cols = wc * (BLOCK_WC * PW2) + tl.arange(0, BLOCK_WC * PW2)
+            s = tl.load(S + dd[:, None] * (N_WC * BLOCK_WC * PW2) + cols[None, :])  # zero-padded: no mask
+            y = tl.dot(x, s, input_precision=PREC) * scale  # fp32 [BLOCK_M, BLOCK_WC * PW2]
+            y = tl.reshape(y, [BLOCK_M, BLOCK_WC, PW2])
+        else:
+            y = tl.load(x_base + rows[:, None, None] * stride_xn + dim[None, :, :],
+                        mask=r_ok[:, None, None] & valid[None, :, :], other=0.0).to(tl.float32)
+        code = tl.zeros([BLOCK_M, BLOCK_WC, PW2], tl.int32)
+        for t in tl.static_range(T):
+            code += (y > tl.load(th_base + t)).to(tl.int32)  # eq. 5: B(x) = Σ_i 1[x > B_i]
+        code = tl.where(valid[None, :, :], code, 0)
+        word = tl.sum(code << (slot * BITS)[None, None, :], axis=2)  # disjoint bit fields: sum == or
+        word = tl.where(word >= 32768, word - 65536, word)  # the int16 with the same bits
+        tl.store(o_base + rows[:, None] * stride_on + w[None, :], word.to(tl.int16),
+                 mask=r_ok[:, None] & (w < W)[None, :])
+
+
+def _layout(D: int, bits: int) -> tuple[int, int, int, int, int]:
+    """(PW, PW2, W, BLOCK_WC, N_WC): codes per word, its power of two, words per row, words per chunk, chunks."""
+    PW = _per_word(bits)
+    PW2 = triton.next_power_of_2(PW)
+    W = triton.cdiv(D, PW)
+    BLOCK_WC = max(16 // PW2, min(triton.next_power_of_2(W), 128 // PW2))  # a chunk is 16..128 dot columns
+    return PW, PW2, W, BLOCK_WC, triton.cdiv(W, BLOCK_WC)
+
+
+def _permuted_signs(D: int, bits: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """±1 Hadamard matrix [BLOCK_D, N_WC·BLOCK_WC·PW2]: column w·PW2 + i is dim w·PW + i (zero where padding).
+    The permutation is built only on a cache miss: every appended key asks for the matrix, and building it costs
+    ~90 µs."""
+    PW, PW2, W, BLOCK_WC, N_WC = _layout(D, bits)
+    cols = N_WC * BLOCK_WC * PW2
+
+    def perm() -> torch.Tensor:
+        c = torch.arange(cols)
+        w, i = c // PW2, c % PW2
+        dim = w * PW + i
+        return torch.where((i < PW) & (dim < D), dim, -1)
+
+    return hadamard_signs(D, dtype, device, rows=max(16, triton.next_power_of_2(D)), cols=cols, perm=perm,
+                          key=("codes", bits))
+
+
+def _thresholds(thresholds: torch.Tensor, H: int, bits: int, device) -> tuple[torch.Tensor, int, int]:
+    """(fp32 contiguous thresholds, row stride, rep): head h reads row h // rep (rep = H // rows), or the one row."""
+    T = (1 << bits) - 1
+    th = thresholds
+    if th.shape[-1] != T or th.dim() not in (1, 2):
+        raise ValueError(f"bits={bits} needs thresholds [{T}] or [heads, {T}], got {tuple(th.shape)}")
+    if th.dtype != torch.float32 or th.device != device or not th.is_contiguous():
+        th = th.to(device=device, dtype=torch.float32).contiguous()  # store them like this to skip the copy
+    if th.dim() == 1:
+        return th, 0, 1
+    if H % th.shape[0]:
+        raise ValueError(f"{th.shape[0]} threshold rows do not divide {H} heads")
+    return th, th.stride(0), H // th.shape[0]
+
+
+def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor, start: int | torch.Tensor,
+                       bits: int = 2, transform: bool = True, *, block_m: int | None = None,
+                       num_warps: int = 4) -> None:
+    """Codes of x [B, H, n, D] (Hadamard first if `transform`) packed into out_words[:, :, start:start + n] in place.
+    `start`: an int, or a device tensor [B] of each row's first position (not range-checked: no host read).
+
+    out_words: int16 [B, H, Lmax, W] (the cache state; other slots are not touched). thresholds: fp32 [H, 2^bits - 1]
+    ascending per head, [Ht, 2^bits - 1] with H % Ht == 0 (head h uses row h // (H // Ht)), or shared [2^bits - 1];
+    ±inf allowed. Same codes as code_pack_reference(code_bucketize_reference(hadamard_reference(x)...)), up to
+    values within float rounding of a threshold.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    B, H, n, D = x.shape
+    PW, PW2, W, BLOCK_WC, N_WC = _layout(D, bits)
+    if (out_words.dtype != torch.int16 or out_words.dim() != 4 or tuple(out_words.shape[:2]) != (B, H)
+            or out_words.shape[3] != W or out_words.stride(-1) != 1):
+        raise ValueError(f"out_words must be int16 [{B}, {H}, Lmax, {W}] with contiguous words, "
+                         f"got {out_words.dtype} {tuple(out_words.shape)}")
+    row_start = isinstance(start, torch.Tensor)
+    if row_start and (start.shape != (B,) or start.device != x.device):
+        raise ValueError(f"start must be an int or a tensor [{B}] on {x.device}, got {tuple(start.shape)}")
+    if not row_start and (not 0 <= start or start + n > out_words.shape[2]):
+        raise ValueError(f"positions [{start}, {start + n}) do not fit out_words of length {out_words.shape[2]}")
+    if n == 0:
+        return
+    th, stride_th, rep = _thresholds(thresholds, H, bits, x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if transform:
+        hadamard_matrix(D)  # ValueError for unsupported dims
+        S = _permuted_signs(D, bits, x.dtype, x.device)
+    else:
+        S = th  # unused
+    BLOCK_M = block_m or (64 if n >= 64 else 16)
+    grid = (triton.cdiv(n, BLOCK_M), B * H)
+    _quantize_pack_kernel[grid](
+        x, S, th, out_words, n, H, rep, 0 if row_start else start, start if row_start else th, D ** -0.5,
+        x.stride(0), x.stride(1), x.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
+        stride_th,
+        D=D, W=W, BITS=bits, PW=PW, PW2=PW2, T=(1 << bits) - 1, TRANSFORM=transform, PREC=_prec(x.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_WC=BLOCK_WC, N_WC=N_WC,
+        ROW_START=row_start, num_warps=num_warps,
+    )
+
+
+def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True,
+                  **tuning) -> torch.Tensor:
+    """Fused (Hadamard if `transform`) + bucketize + pack: x [B, H, n, D] -> int16 words [B, H, n, W]."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
+    B, H, n, D = x.shape
+    out = torch.empty(B, H, n, triton.cdiv(D, _per_word(bits)), dtype=torch.int16, device=x.device)
+    quantize_pack_into(x, thresholds, out, 0, bits=bits, transform=transform, **tuning)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# code distances
+
+
+@triton.jit
+def _l1_2bit_lanes(k_t0, k_t1, k_t2, q):
+    """Per-lane sum of |a - b| over the 16 (or 8) 2-bit fields of key lanes, given as their thermometer bit planes
+    [>0] = hi | lo, [>1] = hi, [>2] = hi & lo at even positions (made once per key tile, shared by the query
+    heads), and one query lane q [BW]: [BL, BW] int32 with one partial sum (<= 12) per byte."""
+    q_lo = q & 0x55555555
+    q_hi = (q >> 1) & 0x55555555
+    s = ((k_t0 ^ (q_hi | q_lo)[None, :]) + (k_t1 ^ q_hi[None, :])
+         + (k_t2 ^ (q_hi & q_lo)[None, :]))  # field sum <= 3
+    s = (s & 0x33333333) + ((s >> 2) & 0x33333333)  # 4-bit fields <= 6 (the >> may smear the sign into bits 30-31)
+    return (s + (s >> 4)) & 0x0F0F0F0F  # bytes <= 12
+
+
+@triton.jit
+def _popc(v):
+    """Population count of int32 lanes, one POPC instruction each (CUDA only: the interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _planes(x):
+    """Thermometer planes of the 16 two-bit fields of int32 lanes: ([>0] at even bits | [>1] at odd bits, [>2] at
+    even bits). |a - b| of two fields is the number of bits set in (a's planes) xor (b's)."""
+    lo = x & 0x55555555
+    hi = (x >> 1) & 0x55555555  # the >> may smear the sign into bit 31: masked off
+    return (hi | lo) | (hi << 1), hi & lo
+
+
+@triton.jit
+def _pair_words(x):
+    """int64 lanes (two int32 lanes of 16 two-bit fields each) -> the four words _l1_2bit_pairs needs: with a0, a1
+    the lanes' ([>0] | [>1]) planes and b both lanes' [>2] planes in one word (even / odd bits): a0 ^ a1 ^ b,
+    a0 ^ b, a1 ^ b, b. Xor is linear, so the key's words are made once per key tile and the query's once per head."""
+    a0, b0 = _planes(x.to(tl.int32))
+    a1, b1 = _planes((x >> 32).to(tl.int32))
+    b = b0 | (b1 << 1)
+    return a0 ^ a1 ^ b, a0 ^ b, a1 ^ b, b
+
+
+@triton.jit
+def _l1_2bit_pairs(k_o, k_13, k_23, k_3, q):
+    """Σ over lane pairs of the 32 L1 field distances of each pair, with two POPCs: with x1, x2, x3 the three
+    planes xor the query's, a carry-save adder gives ones = x1 ^ x2 ^ x3 and twos = majority(x1, x2, x3) =
+    ((x1 ^ x3) & (x2 ^ x3)) ^ x3, and ones + 2·twos bits = the bits set in all three. Key words [BL, BW] from
+    _pair_words, query lanes q [BW] (int64) -> [BL]."""
+    q_o, q_13, q_23, q_3 = _pair_words(q)
+    ones = k_o ^ q_o[None, :]
+    twos = ((k_13 ^ q_13[None, :]) & (k_23 ^ q_23[None, :])) ^ (k_3 ^ q_3[None, :])
+    return tl.sum(_popc(ones) + (_popc(twos) << 1), axis=1)
+
+
+@triton.jit
+def _popcount_bytes(v):
+    """Per-byte popcounts (each <= 8) of int32 lanes: SWAR, the masks drop the bits an arithmetic >> smears in."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    return (v + (v >> 4)) & 0x0F0F0F0F
+
+
+@triton.jit
+def _bytes_to_int(acc):
+    """Sum of the four bytes of each int32 (each <= 255, all >= 0)."""
+    acc = (acc & 0x00FF00FF) + ((acc >> 8) & 0x00FF00FF)
+    return (acc & 0xFFFF) + (acc >> 16)
+
+
+@triton.jit
+def _fields(words, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr):
+    """16-bit words [..., BW] (>= 0) -> their codes [..., BW, PW2] (slots >= PW read 0)."""
+    slot = tl.arange(0, PW2)
+    f = (tl.expand_dims(words, -1) >> (slot * BITS)) & ((1 << BITS) - 1)
+    return tl.where(slot < PW, f, 0)
+
+
+@triton.jit
+def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr, L2: tl.constexpr):
+    """Σ over fields of |kc - qc| or (kc - qc)²: key codes kf [BL, BW, PW2], query words q [BW] (16 bits, >= 0)."""
+    d = kf - _fields(q, BITS, PW, PW2)[None, :, :]
+    if L2:
+        d = d * d
+    else:
+        d = tl.abs(d)
+    return tl.sum(tl.sum(d, axis=2), axis=1)
+
+
+@triton.jit
+def _code_distance_kernel(QW, KW, OUT, length, Hkv,
+                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
+                          G: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, HAMMING: tl.constexpr,
+                          LANE_BITS: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                          PW2: tl.constexpr, L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
+                          BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr):
+    pid_l = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kv = bh % Hkv
+    keys = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    k_ok = keys < length
+    w = tl.arange(0, BLOCK_W)
+    w_ok = w < NW
+    # the key tile, read once for the whole query group; padding words read as 0 (code 0 on both sides: adds 0)
+    k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
+                mask=k_ok[:, None] & w_ok[None, :], other=0)
+    if LANE_BITS == 64:  # POPC pairs: lanes 2i and 2i + 1 of the key, their words made once for the group
+        k_o, k_13, k_23, k_3 = _pair_words(k)
+    elif FAST or HAMMING:
+        k = k.to(tl.int32)
+        if LANE_BITS == 16:
+            k = k & 0xFFFF  # int16 words sign-extend: keep their 16 bits only
+        if FAST:
+            if POPC:
+                k_a, k_b = _planes(k)
+            else:
+                k_lo = k & 0x55555555
+                k_hi = (k >> 1) & 0x55555555
+                k_t0 = k_hi | k_lo
+                k_t2 = k_hi & k_lo
+    else:  # unpacked once per key tile, shared by the query group
+        kf = _fields(k.to(tl.int32) & 0xFFFF, BITS, PW, PW2)
+    q_base = QW + b * stride_qb + (kv * G) * stride_qh
+    o_base = OUT + b * stride_ob
+    if POOL == 2:
+        pooled = tl.full([BLOCK_L], 2147483647, tl.int32)
+    else:
+        pooled = tl.zeros([BLOCK_L], tl.int32)
+    for g in tl.static_range(G):
+        q = tl.load(q_base + g * stride_qh + w, mask=w_ok, other=0)
+        if LANE_BITS == 64:
+            dist = _l1_2bit_pairs(k_o, k_13, k_23, k_3, q)
+        elif FAST:
+            q = q.to(tl.int32)
+            if LANE_BITS == 16:
+                q = q & 0xFFFF
+            if POPC:
+                q_a, q_b = _planes(q)
+                dist = tl.sum(_popc(k_a ^ q_a[None, :]) + _popc(k_b ^ q_b[None, :]), axis=1)
+            else:
+                part = _l1_2bit_lanes(k_t0, k_hi, k_t2, q)
+                if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
+                    dist = _bytes_to_int(tl.sum(part, axis=1))
+                else:
+                    dist = tl.sum(_bytes_to_int(part), axis=1)
+        elif HAMMING:
+            q = q.to(tl.int32)
+            if LANE_BITS == 16:
+                q = q & 0xFFFF
+            if POPC:
+                dist = tl.sum(_popc(k ^ q[None, :]), axis=1)
+            else:
+                part = _popcount_bytes(k ^ q[None, :])
+                if BYTE_SUM:  # bytes summed over the row stay <= 255
+                    dist = _bytes_to_int(tl.sum(part, axis=1))
+                else:
+                    dist = tl.sum(_bytes_to_int(part), axis=1)
+        else:
+            dist = _dist_generic(kf, q.to(tl.int32) & 0xFFFF, BITS, PW, PW2, L2)
+        if POOL == 0:
+            val = dist
+            if NEGATE:
+                val = (-dist).to(tl.float32)
+            tl.store(o_base + (kv * G + g) * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
+        elif POOL == 1:
+            pooled += dist
+        else:
+            pooled = tl.minimum(pooled, dist)
+    if POOL != 0:
+        val = pooled
+        if NEGATE:
+            val = (-pooled).to(tl.float32)
+        tl.store(o_base + kv * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
+
+
+def _as_lanes(words: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor | None:
+    """The same words read as wider lanes (two int16 words per int32, four per int64), or None when the layout does
+    not allow it."""
+    per = dtype.itemsize // 2
+    if words.shape[-1] % per or words.stride(-1) != 1:
+        return None
+    try:
+        return words.view(dtype)
+    except RuntimeError:  # odd storage offset or stride
+        return None
+
+
+def _kv_heads(Hq: int, k_words: torch.Tensor, length: int) -> int:
+    """The KV heads of k_words [B, Hkv, Lmax, W], checked against Hq query heads (GQA groups) and `length` keys."""
+    Hkv = k_words.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if not 0 <= length <= k_words.shape[2]:
+        raise ValueError(f"length {length} is outside the key buffer's {k_words.shape[2]} slots")
+    return Hkv
+
+
+def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps,
+                     popc=None):
+    """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype.
+    popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
+    int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2)."""
+    if metric not in ("l1", "l2"):
+        raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
+    if pool not in _POOLS:
+        raise ValueError(f"pool must be None, 'sum' or 'min', got {pool!r}")
+    pw = _per_word(bits)
+    W = triton.cdiv(d, pw)
+    if q_words.dtype != torch.int16 or k_words.dtype != torch.int16:
+        raise ValueError("q_words and k_words must be int16")
+    if q_words.dim() == 4 and q_words.shape[2] == 1:
+        q_words = q_words[:, :, 0]
+    B, Hq, Wq = q_words.shape
+    if k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W or Wq != W:
+        raise ValueError(f"expected q_words [B, Hq, {W}] and k_words [B, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
+                         f"got {tuple(q_words.shape)} and {tuple(k_words.shape)}")
+    Hkv = _kv_heads(Hq, k_words, length)
+    G = Hq // Hkv
+    H_out = Hkv if pool is not None else Hq
+    out = torch.empty(B, H_out, length, dtype=out_dtype, device=q_words.device)
+    if length == 0 or B == 0:
+        return out
+    if q_words.stride(-1) != 1:
+        q_words = q_words.contiguous()
+    if k_words.stride(-1) != 1:
+        k_words = k_words.contiguous()
+    fast = bits == 2 and metric == "l1"
+    hamming = bits == 1  # |a - b| = (a - b)² for bits: both metrics are the Hamming distance
+    popc = (2 if popc is None else popc) if q_words.is_cuda else 0
+    qw, kw = q_words, k_words
+    lanes = (torch.int64, torch.int32) if fast and popc == 2 else (torch.int32,)  # the widest view that fits
+    for dt in lanes if fast or hamming else ():
+        q_l, k_l = _as_lanes(q_words.contiguous(), dt), _as_lanes(k_words, dt)
+        if q_l is not None and k_l is not None:
+            qw, kw = q_l, k_l
+            break
+    NW = qw.shape[-1]
+    BLOCK_W = triton.next_power_of_2(NW)
+    if fast or hamming:  # [BLOCK_L, BLOCK_W] lanes live in registers across the group loop
+        BLOCK_L = block_l or (256 if G <= 4 else 128)
+    else:  # the unpacked key tile [BLOCK_L, BLOCK_W, PW2] does: about 8K codes per program
+        BLOCK_L = block_l or max(16, 8192 // (BLOCK_W * triton.next_power_of_2(pw)))
+    grid = (triton.cdiv(length, BLOCK_L), B * Hkv)
+    _code_distance_kernel[grid](
+        qw, kw, out, length, Hkv,
+        qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
+        G=G, NW=NW, FAST=fast, HAMMING=hamming, LANE_BITS=qw.element_size() * 8,
+        BYTE_SUM=(fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255), BITS=bits, PW=pw,
+        PW2=triton.next_power_of_2(pw), L2=metric == "l2",
+        POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
+        POPC=popc > 0,
+    )
+    return out
+
+
+def code_distance(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
+                  metric: str = "l1", *, pool: str | None = None, block_l: int | None = None,
+                  num_warps: int = 4) -> torch.Tensor:
+    """Code distances int32 [B, Hq, length] (smaller = closer): q_words [B, Hq, W] (or [B, Hq, 1, W]) against the
+    first `length` rows of k_words [B, Hkv, Lmax, W]; query head h reads KV head h // (Hq // Hkv).
+
+    pool="sum" / "min" reduces over each KV head's query group in the kernel -> [B, Hkv, length].
+    Same contract as code_distance_reference. A sliced k_words (e.g. k_words[:, :, sink:]) is fine.
+    """
+    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int32, False, block_l, num_warps)
+
+
+def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
+                metric: str = "l1", *, pool: str | None = None, dtype: torch.dtype | None = None,
+                block_l: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """Negated code distances as floats (higher = closer), ready for the shared top-k: -code_distance(...).
+
+    dtype defaults to fp16 when every possible value is an exact fp16 integer (|score| <= 2048: L1 up to
+    d·(2^bits - 1) summed over the pooled group), else fp32. fp16 halves the bytes written and read by the top-k
+    and lets the radix select finish in fewer digit passes; ties keep the top-k's lower-index order.
+    """
+    if dtype is None:
+        dtype = torch.float16 if _max_distance(d, bits, metric, _group(q_words, k_words, pool)) <= 2048 \
+            else torch.float32
+    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, dtype, True, block_l, num_warps)
+
+
+def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
+              metric: str = "l1", *, pool: str | None = None, offset: int = 0, keep: torch.Tensor | None = None,
+              block_l: int | None = None, num_warps: int = 4, _chunk: int | None = None,
+              _tile: int | None = None) -> torch.Tensor:
+    """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
+    in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`: a
+    sampled window, one histogram pass and emit, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending
+    index order; the same keys as topk(code_scores(...), k), without the float top-k's tie fallback.
+    On the H100 (llama3-8b shape, k 2047, CUDA-graph replay) the select takes about two thirds of the time per query
+    head at 131072 keys, and the two together beat code_scores + topk; the decode step they serve: BENCHMARKS.md,
+    "Decode step of one layer".
+    Rows whose distances can reach 2^14 (e.g. 3-bit L2 pooled over 8 heads) raise ValueError: use code_scores +
+    topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]): keys outside it are
+    chosen last (given the largest value the select counts; ties go to the lower index)."""
+    vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool))
+    count_select.value_bits(vmax)  # ValueError before any work
+    if not 0 <= k <= length:
+        raise ValueError(f"k={k} must be between 0 and the {length} keys")
+    dist = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l, num_warps)
+    if keep is not None:
+        dist.masked_fill_(~keep, (1 << count_select.value_bits(vmax)) - 1)
+    return count_select.smallest_k(dist, k, vmax, offset=offset, _chunk=_chunk, _tile=_tile)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# asymmetric scores: the full query against the keys' bucket centers
+
+
+@triton.jit
+def _code_ip_kernel(Q, KW, C, OUT, length, Hkv,
+                    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_cb, stride_ob, stride_oh,
+                    G: tl.constexpr, GP: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                    D: tl.constexpr, BLOCK_L: tl.constexpr):
+    pid_l = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kv = bh % Hkv
+    keys = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    k_ok = keys < length
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    q_ptr = Q + b * stride_qb + (kv * G + g) * stride_qh
+    k_ptr = KW + b * stride_kb + kv * stride_kh + keys * stride_kn
+    c_ptr = C + kv * stride_cb
+    c0 = tl.load(c_ptr)
+    c1 = tl.load(c_ptr + 1)
+    c2 = tl.load(c_ptr + 2 * (BITS > 1))  # 1-bit codes have two centers
+    c3 = tl.load(c_ptr + 3 * (BITS > 1))
+    acc = tl.zeros([GP, BLOCK_L], tl.float32)  # keys along the threads: each thread owns its keys' whole group
+    for w in tl.static_range(NW):
+        word = tl.load(k_ptr + w, mask=k_ok, other=0).to(tl.int32)
+        for i in tl.static_range(PW):
+            if w * PW + i < D:
+                if BITS == 2:  # the field's two bits as predicates, then three selects
+                    b0 = (word & (1 << (2 * i))) != 0
+                    b1 = (word & (2 << (2 * i))) != 0
+                    lev = tl.where(b1, tl.where(b0, c3, c2), tl.where(b0, c1, c0))
+                elif BITS == 1:
+                    lev = tl.where((word & (1 << i)) != 0, c1, c0)
+                else:
+                    code = (word >> (BITS * i)) & ((1 << BITS) - 1)
+                    lev = tl.zeros([BLOCK_L], tl.float32) + c0
+                    for t in tl.static_range(1, 1 << BITS):
+                        lev = tl.where(code == t, tl.load(c_ptr + t), lev)
+                qv = tl.load(q_ptr + (w * PW + i), mask=g_ok, other=0.0)
+                acc += qv[:, None] * lev[None, :]
+    tl.store(OUT + b * stride_ob + (kv * G + g[:, None]) * stride_oh + keys[None, :], acc,
+             mask=g_ok[:, None] & k_ok[None, :])
+
+
+def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor, length: int, d: int,
+                   bits: int = 2, *, pool: str | None = None, block_l: int = 256,
+                   num_warps: int = 4) -> torch.Tensor:
+    """Asymmetric scores fp32 [B, H_out, length] (higher = closer): q [B, Hq, d] (or [B, Hq, 1, d]), already in the
+    codes' space (Hadamard-transformed when they are), against the first `length` keys of k_words [B, Hkv, Lmax, W]
+    read as their buckets' centers [Hkv, 2^bits] (reference.adamas_bucket_centers): q · c[code(k)].
+    pool="sum" adds each KV head's query group first (the sum of the scores is the score of the summed query).
+
+    One program per (batch, KV head, block of keys), keys along the threads: each thread reads its keys' words one
+    at a time (the L1 cache serves the repeated sectors), takes each code's center by two bit tests and three
+    selects, and adds it times the query value with one FMA per query head of the group, in fp32 throughout: the
+    scores equal the fp32 reference to rounding. On the H100 (131072 keys x 8 KV heads, D 128, CUDA-graph replay)
+    it takes about three and a half times the L1 code distance's time, per query head or pooled: ~6 integer/select
+    ops per code and an FMA per head, ALU-bound (the decode step: BENCHMARKS.md, "Decode step of one layer"). Tried
+    and slower: tensor-core dots of the unpacked codes (the register tiles' layout conversions), fp16 codes by a
+    magic-number unpack into those dots, each key's words loaded as one tile and taken apart in registers.
+    Reference: kernels/reference.py::adamas_ip_scores_reference.
+    """
+    pw = _per_word(bits)
+    W = triton.cdiv(d, pw)
+    if q.dim() == 4 and q.shape[2] == 1:
+        q = q[:, :, 0]
+    if q.dim() != 3 or q.shape[-1] != d:
+        raise ValueError(f"q must be [B, Hq, {d}], got {tuple(q.shape)}")
+    B, Hq, _ = q.shape
+    if k_words.dtype != torch.int16 or k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W:
+        raise ValueError(f"k_words must be int16 [{B}, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
+                         f"got {k_words.dtype} {tuple(k_words.shape)}")
+    Hkv = _kv_heads(Hq, k_words, length)
+    if tuple(centers.shape) != (Hkv, 1 << bits):
+        raise ValueError(f"centers must be [{Hkv}, {1 << bits}], got {tuple(centers.shape)}")
+    if pool not in (None, "sum"):
+        raise ValueError(f"pool must be None or 'sum', got {pool!r}")
+    qf = q.float()
+    if pool == "sum":
+        qf = qf.view(B, Hkv, Hq // Hkv, d).sum(2)
+    H_out = qf.shape[1]
+    out = torch.empty(B, H_out, length, dtype=torch.float32, device=q.device)
+    if length == 0 or B == 0:
+        return out
+    qf = qf.contiguous()
+    c = centers.to(device=q.device, dtype=torch.float32).contiguous()
+    if k_words.stride(-1) != 1:
+        k_words = k_words.contiguous()
+    G = H_out // Hkv
+    grid = (triton.cdiv(length, block_l), B * Hkv)
+    _code_ip_kernel[grid](
+        qf, k_words, c, out, length, Hkv,
+        qf.stride(0), qf.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2), c.stride(0),
+        out.stride(0), out.stride(1),
+        G=G, GP=triton.next_power_of_2(G), NW=W, BITS=bits, PW=pw, D=d, BLOCK_L=block_l, num_warps=num_warps,
+    )
+    return out
+
+
+def code_topk_supported(d: int, bits: int, metric: str, group: int) -> bool:
+    """Whether code_topk handles rows pooled over `group` query heads (their largest distance fits its counting)."""
+    return _max_distance(d, bits, metric, group).bit_length() <= count_select.MAX_BITS
+
+
+def _group(q_words: torch.Tensor, k_words: torch.Tensor, pool: str | None) -> int:
+    """Query heads summed into one row: the GQA group with pool="sum", else 1."""
+    return q_words.shape[1] // max(k_words.shape[1], 1) if pool == "sum" else 1
+
+
+def _max_distance(d: int, bits: int, metric: str, group: int) -> int:
+    """The largest distance a row can hold: every code at the far end, summed over `group` query heads."""
+    top = (1 << bits) - 1
+    return d * (top if metric == "l1" else top * top) * group

@@ -1,0 +1,76 @@
+"""The method options of a run, declared once: every command that runs methods (eval, generate, bench, demo) builds
+its flags from these fields, and a Python caller passes the same object (or a dict of its fields).
+
+Each method takes the options its constructor names (`Method.option_names`) and checks their values itself; an
+option that no method of the run takes is refused, not silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import SparseKVError
+from .base import REGISTRY, Method, get_method, method_names
+
+
+def _option(help: str, flags: tuple[str, ...] = ()) -> Any:
+    return field(default=None, metadata={"help": help, "flags": flags})
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """None: the method's own default."""
+
+    sink: int | None = _option("sink tokens (default: the method's paper)")
+    window: int | None = _option("recent-window tokens (default: the method's paper)")
+    pooling: str | None = _option("GQA: 'group' (one choice per KV head) or 'head' (one per query head; default: the "
+                                  "method's, 'head' for adamas as its authors' code, 'group' for the rest)")
+    artifact: str | None = _option("a calibrated artifact version folder (adamas)")
+    hadamard: bool | None = _option("adamas ablation: Hadamard transform on/off", ("--hadamard/--no-hadamard",))
+    bits: int | None = _option("adamas ablation: code bits 1, 2 or 3")
+    distance: str | None = _option("adamas: code distance l1 (the paper) or l2, or ip: the query itself against the "
+                                   "key codes' bucket centers")
+    rerank: int | None = _option("adamas: the codes pick this many times the budget's keys and their exact q·k keeps "
+                                 "the budget (1 = off)")
+    page_size: int | None = _option("quest: tokens per page")
+    nbits: int | None = _option("lsh: hash bits per key")
+
+    @classmethod
+    def of(cls, options: "MethodOptions | dict | None") -> "MethodOptions":
+        """A MethodOptions from itself, a dict of its fields, or None (every default)."""
+        if isinstance(options, MethodOptions):
+            return options
+        given = dict(options or {})
+        unknown = sorted(set(given) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SparseKVError(f"unknown method option(s) {', '.join(unknown)}; available: "
+                                f"{', '.join(f.name for f in fields(cls))}")
+        return cls(**given)
+
+    def given(self) -> dict:
+        """The options set (not None), as the methods' constructors take them."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if isinstance(out.get("artifact"), Path):
+            out["artifact"] = str(out["artifact"])
+        return out
+
+    def for_method(self, name: str) -> dict:
+        """The options `name` takes; bench's dense baselines (not registered methods) take none."""
+        method_names()  # fills REGISTRY
+        cls = REGISTRY.get(name)
+        takes = cls.option_names() if cls is not None else frozenset()
+        return {k: v for k, v in self.given().items() if k in takes}
+
+    def check(self, methods: list[str]) -> None:
+        """An option that no method of the run takes is a mistake to report."""
+        used = set().union(*(self.for_method(m) for m in methods))
+        unused = sorted(set(self.given()) - used)
+        if unused:
+            raise SparseKVError(f"option(s) {', '.join('--' + u.replace('_', '-') for u in unused)} apply to none of "
+                                f"the methods {', '.join(methods)}")
+
+    def build(self, name: str, budget: float | None = None) -> Method:
+        """The method `name` at `budget` (None: its own, for dense) with the options it takes."""
+        return get_method(name, **({} if budget is None else {"budget": budget}), **self.for_method(name))

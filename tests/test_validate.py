@@ -1,0 +1,174 @@
+"""Input checks that run before any work: each bad value is one SparseKVError naming the option."""
+
+import gzip
+import os
+
+import pytest
+import torch
+
+from sparsekv import validate
+from sparsekv.errors import SparseKVError
+
+
+@pytest.mark.parametrize("spec,message", [("tpu", "use auto, cpu, cuda or cuda:N"), ("cuda:x", "use auto"),
+                                          ("", "use auto")])
+def test_device_refusals(spec, message):
+    with pytest.raises(SparseKVError, match=message):
+        validate.device(spec)
+
+
+def test_device_choices():
+    assert validate.device("cpu") == "cpu"
+    assert validate.device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SparseKVError, match="no CUDA device"):
+            validate.device("cuda:0")
+
+
+@pytest.mark.parametrize("text,message", [("64,,128", "empty entry"), ("64,", "empty entry"), (",64", "empty entry"),
+                                          ("nan", "finite"), ("64,inf", "finite"), ("abc", "expected a number"),
+                                          ("0", "must be positive"), ("-3", "must be positive")])
+def test_number_lists(text, message):
+    with pytest.raises(SparseKVError, match=message):
+        validate.csv(text, float, "--budget", positive=True)
+
+
+def test_good_lists():
+    assert validate.csv("64, 128", float, "--budget", positive=True) == [64.0, 128.0]
+    assert validate.csv("256,300", int, "--seq") == [256, 300]
+    assert validate.csv("dense,adamas") == ["dense", "adamas"]
+    assert validate.csv("") == []
+    with pytest.raises(SparseKVError, match="expected an integer"):
+        validate.csv("256.5", int, "--seq")
+
+
+@pytest.mark.parametrize("value,message", [(float("nan"), "finite"), (0, "positive"), (1.5, "neither a whole"),
+                                           (-0.2, "positive")])
+def test_budget(value, message):
+    with pytest.raises(SparseKVError, match=message):
+        validate.budget(value)
+    assert validate.budget(0.05) == 0.05 and validate.budget(128) == 128
+
+
+def test_dense_layers():
+    assert validate.dense_layers([0, 1], 2) == (0, 1)
+    with pytest.raises(SparseKVError, match=r"--dense-layers 7: the model has 2 layers \(0..1\)"):
+        validate.dense_layers([0, 7], 2)
+
+
+def test_output_paths(tmp_path):
+    assert validate.output_file(tmp_path / "new" / "deeper" / "r.json") == tmp_path / "new" / "deeper" / "r.json"
+    with pytest.raises(SparseKVError, match="is a folder"):
+        validate.output_file(tmp_path)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SparseKVError, match="is not a folder"):
+        validate.output_file(tmp_path / "f" / "r.json")
+    with pytest.raises(SparseKVError, match="exists and is not a folder"):
+        validate.output_folder(tmp_path / "f")
+    assert list(tmp_path.iterdir()) == [tmp_path / "f"]  # the checks leave nothing behind
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(SparseKVError, match="cannot write"):
+            validate.output_file(ro / "r.json")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_output_on_a_read_only_filesystem_is_refused(tmp_path, monkeypatch):
+    """What a read-only mount does (root included): creating the probe file fails."""
+    def refuse(*a, **kw):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(validate.tempfile, "mkstemp", refuse)
+    with pytest.raises(SparseKVError, match="--json .*r.json: cannot write in .*Read-only file system"):
+        validate.output_file(tmp_path / "r.json")
+
+
+def test_text_files(tmp_path):
+    good = tmp_path / "t.txt"
+    good.write_text("plain text, ünïcode too\n" * 1000)
+    assert validate.text_file(good, "--text-file") == good
+    gz = tmp_path / "t.txt.gz"
+    gz.write_bytes(gzip.compress(good.read_bytes()))
+    assert validate.text_file(gz, "--text-file") == gz
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(("é" * 5000).encode()[: validate.TEXT_SNIFF + 1])  # a character split at the sample's end
+    assert validate.text_file(cut, "--text-file") == cut
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(bytes(range(256)) * 10)
+    with pytest.raises(SparseKVError, match="not a text file"):
+        validate.text_file(binary, "--text-file")
+    latin = tmp_path / "l.txt"
+    latin.write_bytes(b"caf\xe9 " * 100)
+    with pytest.raises(SparseKVError, match="not a text file"):
+        validate.text_file(latin, "--text-file")
+    with pytest.raises(SparseKVError, match="file not found"):
+        validate.text_file(tmp_path / "missing.txt", "--text-file")
+    with pytest.raises(SparseKVError, match="not a file"):
+        validate.text_file(tmp_path, "--text-file")
+
+
+def test_model_specs_checked_without_loading(tmp_path):
+    from sparsekv.models import peek_config
+
+    assert peek_config("tiny-random").num_hidden_layers == 2
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "fake.gguf").write_text("not a gguf")
+    (tmp_path / "notes.txt").write_text("hello")
+    for spec, message in [(tmp_path / "empty", "no config.json"), (tmp_path / "fake.gguf", "not a GGUF file"),
+                          (tmp_path / "missing.gguf", "model file not found"),
+                          (tmp_path / "notes.txt", "a file must be a .gguf"), ("bogus", "unknown model 'bogus'")]:
+        with pytest.raises(SparseKVError, match=message):
+            peek_config(str(spec))
+    assert peek_config("someone/some-model") is None  # a hub id: checked when it loads
+
+
+def _cli(*args, cwd=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "sparsekv.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--model", "tiny-random", "--bogus"], "No such option: --bogus"),
+    (["eval", "--model", "tiny-random", "--n", "abc"], "Invalid value for '--n'"),
+    (["eval", "--model", "tiny-random", "--budget", "64,,128"], "empty entry"),
+    (["eval", "--model", "tiny-random", "--seq", "256,,300"], "empty entry"),
+    (["eval", "--model", "tiny-random", "--budget", "nan"], "finite"),
+    (["generate", "--model", "tiny-random", "--prompt", "hi", "--budget", "nan"], "finite"),
+    (["generate", "--model", "tiny-random", "--prompt", "hi", "--budget", "1.5"], "neither a whole"),
+    (["eval", "--model", "tiny-random", "--device", "tpu"], "--device 'tpu': use auto, cpu, cuda or cuda:N"),
+    (["dump", "--model", "tiny-random", "--device", "tpu", "--out", "{tmp}/d", "--text-file", "{tmp}/t.txt"],
+     "--device 'tpu'"),
+    (["eval", "--model", "tiny-random", "--json", "{tmp}"], "is a folder"),
+    (["eval", "--model", "tiny-random", "--plot", "{tmp}/f/p.png"], "is not a folder"),
+    (["dump", "--model", "tiny-random", "--out", "{tmp}/f"], "exists and is not a folder"),
+    (["eval", "--model", "{tmp}/empty"], "no config.json"),
+    (["eval", "--model", "{tmp}/f"], "a file must be a .gguf"),
+    (["generate", "--model", "tiny-random", "--prompt-file", "{tmp}/b.bin"], "not a text file"),
+    (["eval", "--model", "tiny-random", "--task", "ppl", "--text-file", "{tmp}/b.bin"], "not a text file"),
+])
+def test_bad_input_is_one_line_before_any_work(args, message, tmp_path):
+    """Exit 2, exactly one `error:` line, no traceback, nothing new on disk."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "f").write_text("a file")
+    (tmp_path / "b.bin").write_bytes(bytes(range(256)))
+    (tmp_path / "t.txt").write_text("some text " * 50)
+    before = sorted(tmp_path.rglob("*"))
+    r = _cli(*[a.replace("{tmp}", str(tmp_path)) for a in args])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = _cli("--debug", "eval", "--model", "tiny-random", "--json", str(tmp_path), "--n", "1")
+    assert r.returncode == 2 and "is a folder" in r.stderr  # bad input stays one line with --debug too
