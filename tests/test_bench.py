@@ -182,6 +182,7 @@ def test_e2e_rows_and_json(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--batch", "0"], "--batch must be positive"),
+    (["--new-tokens", "2"], "--new-tokens must be at least 3"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be positive"),
     (["--budget", "32,64"], "one --budget"),
     (["--method", "dense,bogus"], "unknown method(s) bogus"),

@@ -79,8 +79,9 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
     seqs = [int(s) for s in seqs]
     if not seqs or min(seqs) < 2:
         raise SparseKVError(f"--seq must be at least 2 tokens, got {seqs}")
-    if new_tokens < 2 or warmup_tokens < 2:
-        raise SparseKVError("--new-tokens and the warm-up need at least 2 tokens (the first comes from the prefill)")
+    if new_tokens < 3 or warmup_tokens < 2:
+        raise SparseKVError(f"--new-tokens must be at least 3, got {new_tokens}: the first token comes from the "
+                            "prefill and the first step captures the graph, so only later steps are timed")
     names = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
     unknown = [n for n in names if n not in method_names()]
     if not names or unknown:
