@@ -419,16 +419,21 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def _read_manifest(path: Path) -> dict:
-    """The parsed manifest of a version folder: no links, schema, shape, and file names confined to the folder
-    checked; ArtifactError otherwise. The digest is not checked here: loads and checks use read_manifest."""
-    mpath = manifest_path(path)
+def _parse_manifest(path: Path, mpath: Path) -> dict:
+    """The manifest file as a JSON object, else one ArtifactError line."""
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ArtifactError(f"artifact at {path} has an unreadable {MANIFEST}: {_one_line(e)}") from None
     if not isinstance(manifest, dict):
         raise ArtifactError(f"artifact at {path} has an unreadable {MANIFEST}: not a JSON object")
+    return manifest
+
+
+def _read_manifest(path: Path) -> dict:
+    """The parsed manifest of a version folder: no links, schema, shape, and file names confined to the folder
+    checked; ArtifactError otherwise. The digest is not checked here: loads and checks use read_manifest."""
+    manifest = _parse_manifest(path, manifest_path(path))
     schema = manifest.get("schema_version")
     if schema == 1:
         raise ArtifactError(f"artifact at {path} has schema_version 1, from before manifests carried a digest; this "
@@ -588,12 +593,7 @@ def upgrade_artifact(path: str | os.PathLike) -> Path:
     for the manifest as it is: a config edited by hand before is not detected."""
     path = Path(path)
     mpath = manifest_path(path)
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"artifact at {path} has an unreadable {MANIFEST}: {_one_line(e)}") from None
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"artifact at {path} has an unreadable {MANIFEST}: not a JSON object")
+    manifest = _parse_manifest(path, mpath)
     schema = manifest.get("schema_version")
     if schema == SCHEMA_VERSION:
         raise ArtifactError(f"artifact at {path} already has schema_version {SCHEMA_VERSION}; nothing to upgrade "
