@@ -467,3 +467,95 @@ def prefill_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: tor
         o = torch.einsum("bhgrj,bhjd->bhgrd", p, values[:, :, lo:hi].float())
         out[:, :, r0:r1] = o.reshape(B, Hq, r1 - r0, D).to(q.dtype)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spotlight Attention's MLP hash (§3.2 eq. 5-6): H(x) = sign(W2 · SiLU(W1 x + b1)), packed like 1-bit codes
+# (kernels/hash_mlp.py).
+
+def _mlp_hash_shapes(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+    """(Hkv, M, nbits) of the weights w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits], checked against x
+    [B, H, n, D] with H a multiple of Hkv."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
+    if w1.dim() != 3 or b1.dim() != 2 or w2.dim() != 3:
+        raise ValueError(f"expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]; got {tuple(w1.shape)}, "
+                         f"{tuple(b1.shape)}, {tuple(w2.shape)}")
+    Hkv, D, M = w1.shape
+    nbits = w2.shape[2]
+    if D != x.shape[3] or tuple(b1.shape) != (Hkv, M) or tuple(w2.shape[:2]) != (Hkv, M) or nbits < 1:
+        raise ValueError(f"weights w1 {tuple(w1.shape)}, b1 {tuple(b1.shape)}, w2 {tuple(w2.shape)} do not fit "
+                         f"x {tuple(x.shape)} (expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits])")
+    if Hkv == 0 or x.shape[1] % Hkv:
+        raise ValueError(f"{x.shape[1]} heads of x are not a multiple of the weights' {Hkv} KV heads")
+    return Hkv, M, nbits
+
+
+def mlp_hash_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The MLP's pre-sign outputs fp32 [B, H, n, nbits]: W2 · SiLU(W1 x + b1) (no b2), fp32 maths.
+
+    x [B, H, n, D] (any float dtype); w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits] (fp32 or 16-bit); head h of x
+    uses KV head h // (H // Hkv)'s weights (keys: H = Hkv; queries: a GQA group per KV head). Row-vector form:
+    y = SiLU(x @ w1[kv] + b1[kv]) @ w2[kv]."""
+    Hkv, M, nbits = _mlp_hash_shapes(x, w1, b1, w2)
+    B, H, n, D = x.shape
+    xf = x.float().reshape(B, Hkv, (H // Hkv) * n, D)  # a KV head's query group, rows (g, i)
+    hid = torch.nn.functional.silu(torch.einsum("bhrd,hdm->bhrm", xf, w1.float().to(x.device))
+                                   + b1.float().to(x.device)[None, :, None, :])
+    y = torch.einsum("bhrm,hmk->bhrk", hid, w2.float().to(x.device))
+    return y.reshape(B, H, n, nbits)
+
+
+def mlp_hash_pack_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Spotlight's hash codes int16 [B, H, n, ceil(nbits / 16)]: bit j of the code = 1[mlp_hash_reference(x)_j > 0],
+    packed as 1-bit codes (code_pack_reference, bits=1: bit j at position j % 16 of word j // 16, padding bits 0),
+    i.e. quantize_pack_reference(y, thresholds (0,), bits=1, transform=False). Contract of
+    `hash_mlp.mlp_hash_pack`; the codes' L1 distance with bits=1 (code_scores / code_topk) is their Hamming
+    distance."""
+    y = mlp_hash_reference(x, w1, b1, w2)
+    return code_pack_reference((y > 0).to(torch.uint8), bits=1)
+
+
+def mlp_hash_pack_into_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                                 out_words: torch.Tensor, start: int | torch.Tensor) -> None:
+    """mlp_hash_pack_reference written into out_words [B, H, Lmax, W] at rows [start, start + n): `start` an int, or
+    a device tensor [B] of each batch row's first slot (one token per row at a decode step; no host read).
+    Contract of `hash_mlp.mlp_hash_pack_into`."""
+    words = mlp_hash_pack_reference(x, w1, b1, w2)
+    if isinstance(start, int):
+        out_words[:, :, start : start + x.shape[2]] = words
+    else:
+        rows = torch.arange(out_words.shape[0], device=out_words.device)[:, None]
+        slots = start.to(device=out_words.device, dtype=torch.long)[:, None] + torch.arange(
+            x.shape[2], device=out_words.device)
+        out_words[rows, :, slots] = words.permute(0, 2, 1, 3)  # [B, n, H, W]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SAAP's visited inverted lists (kernels/saap.py): the positions of the keys of the chosen buckets, in CSR order.
+
+def bucket_gather_reference(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int,
+                            hi: int, row_lo: torch.Tensor | None = None,
+                            row_hi: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [B, Hs, cap]: the key at position p in [lo, hi) (and in its row's [row_lo, row_hi) when given, [B]
+    device bounds) whose bucket b = buckets[.., p] has bases[.., b] >= 0 goes to slot bases[.., b] + ordinals[.., p]
+    when that is below `cap`; the other slots hold -1. buckets/ordinals [B, Hkv, Lmax] (int; sentinel buckets index
+    the last column of bases), bases [B, Hs, C + 1] (Hs = Hkv, or Hq: query head h reads KV head h // (Hs // Hkv)).
+    Slots are unique by construction (a bucket's keys have distinct ordinals), so the result is deterministic."""
+    B, Hkv, _ = buckets.shape
+    Hs = bases.shape[1]
+    out = torch.full((B, Hs, cap + 1), -1, dtype=torch.int64, device=buckets.device)
+    if hi <= lo or cap <= 0:
+        return out[..., :cap]
+    kv = torch.arange(Hs, device=buckets.device) // (Hs // Hkv)
+    bk = buckets[:, kv, lo:hi].long()
+    base = bases.long().gather(-1, bk)
+    slot = base + ordinals[:, kv, lo:hi].long()
+    pos = torch.arange(lo, hi, device=buckets.device).view(1, 1, -1)
+    ok = (base >= 0) & (slot < cap)
+    if row_lo is not None:
+        ok &= pos >= row_lo.view(-1, 1, 1).long()
+    if row_hi is not None:
+        ok &= pos < row_hi.view(-1, 1, 1).long()
+    out.scatter_(-1, torch.where(ok, slot, cap), pos.expand(B, Hs, -1))  # slot `cap` takes the rest, then goes
+    return out[..., :cap]

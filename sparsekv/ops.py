@@ -133,6 +133,26 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
     return ref.quantize_pack_into_reference(x, thresholds, out_words, start, bits, transform)
 
 
+def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Spotlight's MLP hash sign(SiLU(x @ w1 + b1) @ w2) of x [B, H, n, D], packed as 1-bit codes: int16
+    [B, H, n, ceil(nbits / 16)] (kernels/hash_mlp.py). w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]."""
+    if use_kernels(x.device):
+        from sparsekv.kernels.hash_mlp import mlp_hash_pack as kernel
+
+        return kernel(x, w1, b1, w2)
+    return ref.mlp_hash_pack_reference(x, w1, b1, w2)
+
+
+def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                       out_words: torch.Tensor, start: int | torch.Tensor) -> None:
+    """mlp_hash_pack written into out_words at [start, start + n) (start: an int or per-row device slots [B])."""
+    if use_kernels(x.device):
+        from sparsekv.kernels.hash_mlp import mlp_hash_pack_into as kernel
+
+        return kernel(x, w1, b1, w2, out_words, start)
+    return ref.mlp_hash_pack_into_reference(x, w1, b1, w2, out_words, start)
+
+
 def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
                 metric: str = "l1", pool: str | None = None) -> torch.Tensor:
     """-distance of the query codes to the first `length` key codes, higher = closer (kernels/codes.py)."""
@@ -210,3 +230,16 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, k: to
     """Write one token's k/v [B, H, 1, D] into the cache keys/values [B, H, L, D] at device slots [B]."""
     kern = _layer_ops(k.device)
     (kern.write_kv if kern else ref.write_kv_reference)(keys, values, slot, k, v)
+
+
+# -- SAAP's inverted lists (kernels/saap.py) ---------------------------------------------------------------------
+
+def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int, hi: int,
+                  row_lo: torch.Tensor | None = None, row_hi: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions [B, Hs, cap] (-1 pads) of the keys in [lo, hi) whose buckets are visited: the key at p goes to slot
+    bases[bucket[p]] + ordinals[p] (the visited lists end to end; sparsekv/saap/lists.py)."""
+    if use_kernels(buckets.device):
+        from sparsekv.kernels.saap import bucket_gather as kernel
+
+        return kernel(buckets, ordinals, bases, cap, lo, hi, row_lo, row_hi)
+    return ref.bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, row_lo, row_hi)

@@ -9,6 +9,7 @@ import sparsekv.decode as decode
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
 from sparsekv.methods import get_method
+from sparsekv.methods.spotlight import untrained_hashes
 from sparsekv.models import LoadedModel, byte_tokenizer
 from sparsekv.step import make_step, split_supported
 
@@ -39,10 +40,15 @@ STATIC_METHODS = [("dense", {}), ("oracle", {"budget": 24}), ("oracle", {"budget
                   ("streaming", {"budget": 16}), ("quest", {"budget": 40, "page_size": 8}),
                   ("quest", {"budget": 40, "page_size": 8, "sink": 2, "window": 5}), ("lsh", {"budget": 24}),
                   ("adamas", {"budget": 24}), ("adamas", {"budget": 24, "distance": "ip", "rerank": 2}),
-                  ("oracle", {"budget": 0.1})]
+                  ("oracle", {"budget": 0.1}),
+                  ("spotlight", {"budget": 24, "hashes": untrained_hashes(2, 2, 20, hidden=32, nbits=48)})]
 
 
-@pytest.mark.parametrize("method", STATIC_METHODS, ids=lambda m: "-".join(map(str, [m[0], *m[1].values()])))
+def _method_id(m) -> str:
+    return "-".join(map(str, [m[0], *(v for v in m[1].values() if not isinstance(v, dict))]))
+
+
+@pytest.mark.parametrize("method", STATIC_METHODS, ids=_method_id)
 def test_static_step_equals_transformers_step(tiny, prompt_ids, method, monkeypatch):
     """The step exactly as a CUDA graph replays it (selection regions sized to the cache, the step's own region
     masked from the device lengths, write slots from the device) decodes as the transformers call does. The prompt

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SparseKVError
-from ..methods import CacheShape, LayerState, get_method
+from ..methods import REGISTRY, CacheShape, LayerState, get_method, method_names
 from ..selection import Selection
 from .. import ops
 from .floor import floor_us
@@ -219,7 +219,11 @@ class DecodeBench:
 
     def method_row(self, name: str, budget: float, options: dict) -> dict:
         try:
-            return self._method_row(get_method(name, budget=budget, **options))
+            cls = REGISTRY[name] if name in method_names() else None
+            if cls is None:
+                return self._method_row(get_method(name, budget=budget, **options))
+            return self._method_row(cls.stand_in(budget, max(1, self.shape.layers), self.shape.kv_heads,
+                                                 self.shape.head_dim, **options))
         finally:
             self.base.state = self.base.sel = None
             self._free()

@@ -55,7 +55,7 @@ def run_bench(shape: Shape | str, seq: int, methods: Iterable[str] | str, budget
     itemsize = torch.empty((), dtype=dt).element_size()
 
     seqs = _seqs(seq, sweep, shape, batch, itemsize, dev, notes)
-    cells = _cells(seqs, budgets, names, options, sweep is not None and sweep is not False, notes)
+    cells = _cells(seqs, budgets, names, options, sweep is not None and sweep is not False, notes, shape)
     if topk and all(n in DENSE_BASELINES for n in names):
         notes.append("top-k not timed: it is timed at the sparse methods' budgets (k = budget minus sink and "
                      "window); add a sparse method, e.g. --method dense,oracle")
@@ -149,9 +149,6 @@ def _methods(methods) -> list[str]:
             if name not in DENSE_BASELINES and name not in known:
                 avail = ["dense", *DENSE_BASELINES, *(k for k in known if k != "dense")]
                 raise SparseKVError(f"unknown method {name!r}; available: {', '.join(avail)}")
-            if name not in DENSE_BASELINES and REGISTRY[name].needs_artifact:
-                raise SparseKVError(f"method {name!r} needs a fitted artifact; bench runs on random data and cannot "
-                                    "build one yet")
             if name not in out:
                 out.append(name)
     return out
@@ -192,12 +189,13 @@ def _seqs(seq: int, sweep, shape: Shape, batch: int, itemsize: int, dev: torch.d
 
 
 def _cells(seqs: list[int], budgets: list[float], names: list[str], options: MethodOptions, sweep: bool,
-           notes: list) -> dict[int, list[tuple[float, BudgetSplit]]]:
+           notes: list, shape: Shape) -> dict[int, list[tuple[float, BudgetSplit]]]:
     """Budgets to run at each seq, each with its split (top-k is timed at its k). A budget larger than the context
     is an error, except in a sweep, where that cell is skipped."""
     sparse = [n for n in names if n not in DENSE_BASELINES]
     for n in sparse:
-        options.build(n, budgets[0])  # rejects bad values and pooling up front
+        # rejects bad values and pooling up front (a method without its artifact: its untrained stand-in)
+        options.build(n, budgets[0], (max(1, shape.layers), shape.kv_heads, shape.head_dim))
     cells: dict[int, list[tuple[float, BudgetSplit]]] = {}
     for L in seqs:
         for b in budgets:

@@ -109,6 +109,14 @@ class Method:
         params = inspect.signature(cls.__init__).parameters.values()
         return frozenset(p.name for p in params if p.name not in ("self", "budget") and p.kind is not p.VAR_KEYWORD)
 
+    @classmethod
+    def stand_in(cls, budget: float, num_layers: int, kv_heads: int, head_dim: int, **options: Any) -> "Method":
+        """The method for a speed run without its artifact (bench on random weights): fitted values do not change
+        the work a step does. A method that needs an artifact and cannot stand in without one refuses."""
+        if cls.needs_artifact and options.get("artifact") is None:
+            raise SparseKVError(f"method {cls.name!r} needs a fitted artifact (--artifact)")
+        return cls(budget=budget, **options)
+
     # -- offline ---------------------------------------------------------------------------------------------
     def fit(self, acts: Any, cfg: Any) -> Any:
         """Offline stage; training-free methods have none."""

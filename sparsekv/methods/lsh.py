@@ -40,22 +40,21 @@ from sparsekv.kernels.reference import quantize_pack_reference
 from .. import ops
 from ..errors import SparseKVError
 from ..pooling import Pooling
-from ..selection import Selection, code_selection, topk_selection
-from .base import CacheShape, LayerState, Method, register
+from .base import CacheShape, register
+from .hashing import HashSelect, HashState
 
 PROJECTIONS = ("rotation", "gaussian")
 SIGN = torch.zeros(1)  # the one threshold of a 1-bit code: bit = 1[x·r > 0]
 
 
 @dataclass
-class LSHState(LayerState):
-    codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, ceil(nbits / 16)]: key hashes, valid up to length
+class LSHState(HashState):
     proj: torch.Tensor | None = None  # fp32 [Hkv, D, nbits]: this layer's hyperplanes, one set per KV head
     sign: torch.Tensor | None = None  # fp32 [1]: the threshold 0, on the state's device (no copy inside a graph)
 
 
 @register
-class LSH(Method):
+class LSH(HashSelect):
     name = "lsh"
     summary = "SimHash sign bits, Hamming distance -> top-k tokens (linear LSH)"
     default_sink = 0
@@ -83,31 +82,12 @@ class LSH(Method):
         x = torch.einsum("bhnd,hdm->bhnm", k.float(), state.proj)
         ops.quantize_pack_into(x, state.sign, state.codes, pos, bits=1, transform=False)
 
-    def select(self, state: LSHState, q: torch.Tensor, q_pre_rope) -> Selection:
-        split = self.split(state)
-        if split.dense:
-            return split.selection()
-        q_words = self.query_words(state, q)
-        sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
-        if sel is not None:  # Hamming distances and their top-k by counting
-            return sel
-        return topk_selection(self.hash_scores(state, q, split.lo, split.hi, q_words=q_words), split)
-
     def query_words(self, state: LSHState, q: torch.Tensor) -> torch.Tensor:
         """The queries' packed sign bits [B, Hq, 1, W]: H(q) = sign(q R) with their KV head's hyperplanes."""
         B, Hq, _, D = q.shape
         Hkv = state.codes.shape[1]
         x = torch.einsum("bhgd,hdm->bhgm", q.float().view(B, Hkv, Hq // Hkv, D), state.proj)
         return ops.quantize_pack(x.reshape(B, Hq, 1, self.nbits), state.sign, bits=1, transform=False)
-
-    def hash_scores(self, state: LSHState, q: torch.Tensor, lo: int, hi: int,
-                    q_words: torch.Tensor | None = None) -> torch.Tensor:
-        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group".
-        q_words: the queries' codes when the caller has them (`query_words`)."""
-        if q_words is None:
-            q_words = self.query_words(state, q)
-        return ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
-                               pool=self.pooling.kernel_pool("sum"))
 
     def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
         """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""

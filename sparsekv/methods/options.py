@@ -27,7 +27,7 @@ class MethodOptions:
     window: int | None = _option("recent-window tokens (default: the method's paper)")
     pooling: str | None = _option("GQA: 'group' (one choice per KV head) or 'head' (one per query head; default: the "
                                   "method's, 'head' for adamas as its authors' code, 'group' for the rest)")
-    artifact: str | None = _option("a calibrated artifact version folder (adamas)")
+    artifact: str | None = _option("an artifact version folder: adamas (from calibrate), spotlight (from train-hash)")
     hadamard: bool | None = _option("adamas ablation: Hadamard transform on/off", ("--hadamard/--no-hadamard",))
     bits: int | None = _option("adamas ablation: code bits 1, 2 or 3")
     distance: str | None = _option("adamas: code distance l1 (the paper) or l2, or ip: the query itself against the "
@@ -71,6 +71,10 @@ class MethodOptions:
             raise SparseKVError(f"option(s) {', '.join('--' + u.replace('_', '-') for u in unused)} apply to none of "
                                 f"the methods {', '.join(methods)}")
 
-    def build(self, name: str, budget: float | None = None) -> Method:
-        """The method `name` at `budget` (None: its own, for dense) with the options it takes."""
+    def build(self, name: str, budget: float | None = None, stand_in: tuple[int, int, int] | None = None) -> Method:
+        """The method `name` at `budget` (None: its own, for dense) with the options it takes. `stand_in`: (layers,
+        KV heads, head dim) of a speed run, where a method that needs an artifact may run without one
+        (Method.stand_in)."""
+        if stand_in is not None and name in REGISTRY and budget is not None:
+            return REGISTRY[name].stand_in(budget, *stand_in, **self.for_method(name))
         return get_method(name, **({} if budget is None else {"budget": budget}), **self.for_method(name))

@@ -1,0 +1,49 @@
+"""Selection by Hamming distance of packed sign codes, shared by the hashing methods (`lsh`: linear, `spotlight`:
+learned MLP). A subclass fills `state.codes` ([B, Hkv, max_len, ceil(nbits / 16)] int16, 16 bits a word) in
+`append` and says how a query is hashed (`query_words`); ranking is the same for both: matching bits (Spotlight
+eq. 3, NXOR), i.e. -Hamming distance, counted by the 1-bit code kernels (kernels/codes.py: xor + popcount) and their
+top-k; pooling "group" sums the group's matching bits (one choice per KV head), "head" chooses per query head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..selection import Selection, code_selection, topk_selection
+from .base import LayerState, Method
+
+
+@dataclass
+class HashState(LayerState):
+    codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, ceil(nbits / 16)]: key hashes, valid up to length
+
+
+class HashSelect(Method):
+    """Base of the hashing methods: subclasses set `nbits` and implement `new_state`, `append`, `query_words`."""
+
+    nbits: int = 0
+
+    def query_words(self, state: HashState, q: torch.Tensor) -> torch.Tensor:
+        """The queries' packed sign bits [B, Hq, 1, W]."""
+        raise NotImplementedError
+
+    def select(self, state: HashState, q: torch.Tensor, q_pre_rope) -> Selection:
+        split = self.split(state)
+        if split.dense:
+            return split.selection()
+        q_words = self.query_words(state, q)
+        sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
+        if sel is not None:  # Hamming distances and their top-k by counting
+            return sel
+        return topk_selection(self.hash_scores(state, q, split.lo, split.hi, q_words=q_words), split)
+
+    def hash_scores(self, state: HashState, q: torch.Tensor, lo: int, hi: int,
+                    q_words: torch.Tensor | None = None) -> torch.Tensor:
+        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group".
+        q_words: the queries' codes when the caller has them (`query_words`)."""
+        if q_words is None:
+            q_words = self.query_words(state, q)
+        return ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
+                               pool=self.pooling.kernel_pool("sum"))

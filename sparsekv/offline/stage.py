@@ -1,0 +1,52 @@
+"""What every learned offline stage writes and where: the layers it fits, the record of the data it was fitted on,
+the checkpoint folder of a run in progress, and the versioned artifact at the end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+from ..activations import Activations
+from ..artifacts import save_artifact, slugify
+from ..errors import SparseKVError
+
+
+def fit_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The layers to fit (default: all), checked against the dump's layer count; sorted, no repeats."""
+    if layers is None or len(layers) == 0:
+        return list(range(num_layers))
+    bad = [x for x in layers if not 0 <= int(x) < num_layers]
+    if bad:
+        raise SparseKVError(f"--layers {','.join(map(str, bad))}: the dump has layers 0..{num_layers - 1}")
+    if len(set(layers)) != len(layers):
+        raise SparseKVError("--layers lists a layer twice")
+    return sorted(int(x) for x in layers)
+
+
+def data_record(acts: Activations) -> dict:
+    """What the artifact was fitted on: the dump's source, token count, seed and identity."""
+    return {"source": acts.data.get("source", ""), "tokens": acts.tokens, "seed": acts.data.get("seed"),
+            "queries": acts.queries, "dump": str(acts.path), "tokens_sha256": acts.data.get("tokens_sha256"),
+            "dump_manifest_sha256": acts.manifest.get("manifest_sha256")}
+
+
+def checkpoint_dir(root: str | Path, acts: Activations, method: str, identity: dict) -> Path:
+    """The folder of a run's checkpoints: hidden beside the artifact's versions (`artifacts list` skips it), named
+    by the run's identity (its config and data), so `--resume` finds the run that the same command started."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    model = (acts.manifest.get("model") or {}).get("name") or "model"
+    return Path(root) / slugify(str(model)) / method / f".train-{digest}"
+
+
+def save_stage(root: str | Path, acts: Activations, method: str, tensors: dict, config: dict, report: dict,
+               version: str | None = None, work: str | Path | None = None) -> Path:
+    """Write a stage's result as a versioned artifact for the dump's model (atomic: sparsekv.artifacts); then the
+    run's checkpoint folder `work`, which the artifact supersedes, is removed."""
+    path = save_artifact(root, method=method, model_fingerprint=acts.manifest["model"], config=config,
+                         tensors=tensors, data=data_record(acts), report=report, version=version)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
+    return path

@@ -1,0 +1,180 @@
+"""One training loop for every learned offline stage: AdamW (or Adam) with linear warm-up and cosine decay, gradient
+clipping, checkpoints every N steps, `resume` to the same weights, and progress with the loss and a held-out metric.
+
+A stage hands it a model (every (layer, KV head) of the layers it fits as one batched module: each head's
+parameters are independent slices, so one optimizer step is every head's own step) and `loss_at(step)`, a
+function of the step alone (sparsekv/offline/data.py draws a step's example from (seed, step)). With the RNG of
+the data fixed by the step and the model's state, optimizer state and step restored from the checkpoint, a resumed
+run computes the same updates as an uninterrupted one (bit for bit on the CPU; on a GPU up to the determinism of
+its kernels). Checkpoints are written to a temporary file and renamed, so a kill never leaves half of one; on
+Ctrl-C / SIGTERM the loop writes one before it stops.
+
+Checkpoints carry the run's `identity` (the stage's config and its data): resuming with another config or dump is
+refused in one line rather than continuing a different run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import SparseKVError
+from ..progress import Ticker
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings; the defaults are Spotlight's Table 4 (AdamW, betas (0.9, 0.98), weight decay 0.1,
+    max lr 1e-3 to 0 with 81 linear warm-up steps and cosine annealing, clipping 1.0, 8192 iterations)."""
+
+    iters: int = 8192
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup: int = 81
+    optimizer: str = "adamw"  # or "adam" (SAAP's)
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.1
+    clip: float | None = 1.0
+    checkpoint_every: int = 512
+    eval_every: int = 0  # held-out metric every N steps (0: at the end only)
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.iters < 1:
+            raise SparseKVError(f"--iters must be >= 1, got {self.iters}")
+        if not (math.isfinite(self.lr) and self.lr > 0) or not (math.isfinite(self.min_lr) and 0 <= self.min_lr):
+            raise SparseKVError(f"learning rates must be finite, lr > 0 and min_lr >= 0; got {self.lr}, {self.min_lr}")
+        if self.warmup < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
+            raise SparseKVError("warmup, checkpoint_every and eval_every must be >= 0")
+        if self.optimizer not in ("adamw", "adam"):
+            raise SparseKVError(f"optimizer must be adamw or adam, got {self.optimizer!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over `warmup` steps, then cosine from lr to min_lr at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(1, self.iters - self.warmup)
+        t = min(1.0, (step - self.warmup) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * t))
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    resumed_from: int  # 0: a fresh run
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss over the steps since the last)
+    evals: list[tuple[int, dict]] = field(default_factory=list)  # (step, held-out metrics)
+
+    def report(self) -> dict:
+        return {"steps": self.steps, "seconds": round(self.seconds, 2), "resumed_from": self.resumed_from,
+                "loss_curve": [[s, round(v, 6)] for s, v in self.losses],
+                "heldout_curve": [[s, m] for s, m in self.evals]}
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def train(model: torch.nn.Module, loss_at: Callable[[int], torch.Tensor], cfg: TrainConfig, *,
+          checkpoint_dir: str | Path | None = None, resume: bool = False, identity: dict | None = None,
+          evaluate: Callable[[], dict] | None = None, progress: Any = None, label: str = "train",
+          show: str | None = None) -> TrainResult:
+    """Run `cfg.iters` steps of `loss_at(step).backward()` + one optimizer step on `model`; returns the curves.
+
+    checkpoint_dir: where `checkpoint.pt` goes (every `cfg.checkpoint_every` steps, at the end, and on an
+    interrupt); `resume`: continue from it (refused if its identity differs); `evaluate()`: held-out metrics,
+    every `cfg.eval_every` steps and at the end; `show`: the key of the metric shown beside the loss in progress.
+    """
+    cfg.check()
+    opt = make_optimizer(model, cfg)
+    ident = {"train": _plain(asdict(cfg)), **(identity or {})}
+    ckpt = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir is not None else None
+    start, losses, evals = 0, [], []
+    if resume:
+        if ckpt is None or not ckpt.exists():
+            raise SparseKVError(f"--resume: no checkpoint at {ckpt or '(no checkpoint folder)'}; run without --resume")
+        start, losses, evals = _load(ckpt, model, opt, ident)
+    tick = Ticker(progress, cfg.iters, label)
+    tick.advance(start)
+    t0, window, since = time.perf_counter(), 0.0, 0
+    step = start
+    try:
+        while step < cfg.iters:
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_at(step)
+            if not torch.isfinite(loss):
+                raise SparseKVError(f"{label}: the loss is {loss.item()} at step {step}; lower the learning rate")
+            loss.backward()
+            if cfg.clip and hasattr(model, "clip_grads_"):  # a batched model clips each head on its own
+                model.clip_grads_(cfg.clip)
+            elif cfg.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            opt.step()
+            step += 1
+            window, since = window + float(loss.detach()), since + 1
+            tick.advance()
+            last = step == cfg.iters
+            if since and (step % max(1, cfg.iters // 64) == 0 or last):
+                losses.append((step, window / since))
+                window, since = 0.0, 0
+            if evaluate is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
+                evals.append((step, evaluate()))
+            if losses:
+                shown = f"{label} loss {losses[-1][1]:.4f}"
+                if show and evals:
+                    shown += f" · held-out {show} {evals[-1][1][show]:.3f}"
+                tick.update(shown)
+            if ckpt is not None and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                _save(ckpt, model, opt, step, losses, evals, ident)
+    except KeyboardInterrupt:
+        if ckpt is not None and step > start:
+            _save(ckpt, model, opt, step, losses, evals, ident)
+        raise
+    return TrainResult(cfg.iters, time.perf_counter() - t0, start, losses, evals)
+
+
+def _plain(x: Any) -> Any:
+    """JSON-like (tuples as lists) so an identity compares equal after a round trip through the checkpoint."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _save(path: Path, model, opt, step: int, losses, evals, identity: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(), "losses": losses,
+                "evals": evals, "identity": _plain(identity)}, tmp)
+    os.replace(tmp, path)
+
+
+def _load(path: Path, model, opt, identity: dict) -> tuple[int, list, list]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise SparseKVError(f"--resume: the checkpoint {path} cannot be read ({type(e).__name__}); run without "
+                            f"--resume to start over") from None
+    want, have = _plain(identity), state.get("identity", {})
+    if have != want:
+        diffs = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        raise SparseKVError(f"--resume: the checkpoint {path} belongs to another run (differs in: "
+                            f"{', '.join(diffs)}); rerun with the same options or without --resume")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return int(state["step"]), list(state["losses"]), list(state["evals"])

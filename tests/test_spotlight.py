@@ -1,0 +1,97 @@
+"""The spotlight method: codes appended as keys arrive equal the hash of every key at once, its choice is the top-k
+by matching bits, the kernel path equals the torch path, a budget covering the context is dense attention."""
+
+import pytest
+import torch
+
+from sparsekv.decode import generate
+from sparsekv.errors import SparseKVError
+from sparsekv.kernels.reference import mlp_hash_reference
+from sparsekv.methods import get_method
+from sparsekv.methods.spotlight import untrained_hashes
+
+from test_quest_lsh import DEV, PREFILL_THEN_DECODE, _gen, build
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hashes(layers=1, kv=2, d=20, hidden=32, nbits=48, seed=0):
+    return untrained_hashes(layers, kv, d, hidden=hidden, nbits=nbits, seed=seed)
+
+
+def matching_bits(q, keys, h, pooling):
+    """Matching bits of sign(MLP(q)) and sign(MLP(k)) by hand, pooled: [B, Hsel, L]."""
+    B, Hkv, L, D = keys.shape
+    w = (h["w1"][0], h["b1"][0], h["w2"][0])
+    kb = mlp_hash_reference(keys, *w) > 0
+    qb = mlp_hash_reference(q, *w) > 0  # [B, Hq, 1, nbits]
+    G = q.shape[1] // Hkv
+    same = (qb.view(B, Hkv, G, 1, -1) == kb.unsqueeze(2)).sum(-1)  # [B, Hkv, G, L]
+    return (same.sum(2) if pooling == "group" else same.reshape(B, Hkv * G, L)).float()
+
+
+def test_appended_codes_equal_the_hash_of_every_key():
+    keys = torch.randn(2, 2, 77, 20, generator=_gen(1))
+    h = hashes()
+    m = get_method("spotlight", budget=32, hashes=h)
+    st = build(m, keys, PREFILL_THEN_DECODE)
+    from sparsekv.kernels.reference import mlp_hash_pack_reference
+
+    assert torch.equal(st.codes[:, :, :77], mlp_hash_pack_reference(keys, h["w1"][0], h["b1"][0], h["w2"][0]))
+
+
+@pytest.mark.parametrize("pooling", ["group", "head"])
+def test_choice_is_the_top_k_by_matching_bits(pooling):
+    keys = torch.randn(1, 2, 90, 20, generator=_gen(2))
+    q = torch.randn(1, 6, 1, 20, generator=_gen(3))
+    h = hashes()
+    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h)
+    st = build(m, keys, [90], q_heads=6)
+    want = matching_bits(q, keys, h, pooling)
+    G = 1 if pooling == "head" else 3
+    assert torch.equal(m.hash_scores(st, q, 0, 90), want - 48 * G)  # -Hamming = matching - nbits
+    sel = m.select(st, q, None)
+    picked = want.gather(-1, sel.indices).sort(-1).values
+    assert torch.equal(picked, want.topk(24, -1).values.sort(-1).values)
+    sel.check(1, sel.indices.shape[1])
+
+
+@pytest.mark.parametrize("pooling", ["group", "head"])
+def test_kernel_path_equals_torch_path(monkeypatch, pooling):
+    keys = torch.randn(1, 2, 70, 64, generator=_gen(4)).to(DEV)
+    q = torch.randn(1, 6, 1, 64, generator=_gen(5)).to(DEV)
+    h = hashes(d=64, hidden=64, nbits=128)
+    out = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SPARSEKV_KERNELS", flag)
+        m = get_method("spotlight", budget=20, pooling=pooling, hashes=h, sink=2, window=3)
+        st = build(m, keys, [50, 61, *range(62, 71)], q_heads=6)
+        out.append((st.codes.cpu(), m.hash_scores(st, q, 2, 67).cpu(), m.select(st, q, None)))
+    (c0, s0, sel0), (c1, s1, sel1) = out
+    # a bit may differ only where the MLP output is within rounding of 0 (kernel: tf32 on a GPU)
+    assert (c0 != c1).float().mean() < 0.01 and (s0 - s1).abs().max() <= 2 * (3 if pooling == "group" else 1)
+    for sel in (sel0, sel1):
+        assert sel.indices.shape[-1] == 15 and sel.sink == 2 and sel.window == 3
+
+
+def test_full_budget_is_dense_and_sparse_budgets_run(tiny, prompt_ids):
+    h = untrained_hashes(tiny.num_layers, tiny.kv_heads, tiny.head_dim, hidden=32, nbits=32)
+    a = generate(tiny, prompt_ids, get_method("spotlight", budget=400, hashes=h), 8, keep_logits=True,
+                 stop_on_eos=False)
+    d = generate(tiny, prompt_ids, get_method("dense"), 8, keep_logits=True, stop_on_eos=False)
+    assert a.tokens == d.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, d.logits))
+    s = generate(tiny, prompt_ids, get_method("spotlight", budget=40, hashes=h), 6, stop_on_eos=False)
+    assert s.stats["mean_attended"] == 40 and s.stats["mean_selected"] == 40 and s.stats["mean_window"] == 0
+
+
+def test_a_sparse_layer_needs_a_hash(tiny, prompt_ids):
+    h = untrained_hashes(1, tiny.kv_heads, tiny.head_dim, hidden=32, nbits=32)  # layer 0 only
+    h["layers"] = torch.tensor([1])  # ... trained for layer 1: layer 0 must stay dense
+    ok = generate(tiny, prompt_ids, get_method("spotlight", budget=40, hashes=h), 3, stop_on_eos=False,
+                  dense_layers=(0,))
+    assert len(ok.tokens) == 3
+    with pytest.raises(SparseKVError, match="layer 0 has no trained hash"):
+        generate(tiny, prompt_ids, get_method("spotlight", budget=40, hashes=h), 3, stop_on_eos=False)
+    with pytest.raises(SparseKVError, match="hash 2 KV heads of dim 16"):
+        bad = untrained_hashes(2, tiny.kv_heads, 16, hidden=32, nbits=32)
+        generate(tiny, prompt_ids, get_method("spotlight", budget=40, hashes=bad), 3, stop_on_eos=False)
