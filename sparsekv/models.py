@@ -231,6 +231,28 @@ def tiny_random(layers: int = 2, q_heads: int = 6, kv_heads: int = 2, head_dim: 
     return LoadedModel(model.to(dtype), tok, f"tiny-random(seed={seed})", "in-memory")
 
 
+def spec_name(spec: str) -> str:
+    """The name `load_model(spec)` gives the model (what results and artifacts record), known before loading."""
+    if spec in ("smollm2-135m", "smollm2", "default"):
+        return SMOLLM2_NAME
+    if spec == "tiny-random":
+        return "tiny-random(seed=0)"  # tiny_random()'s default seed, as load_model builds it
+    return Path(spec).name if spec.endswith(".gguf") else spec
+
+
+def config_shape(config) -> dict:
+    """What LoadedModel reads from its config, from a config alone (models.peek_config): num_layers, q_heads,
+    kv_heads, head_dim and max_context (0: not stated); a value the config does not hold is left out."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out = {"num_layers": getattr(cfg, "num_hidden_layers", None), "q_heads": getattr(cfg, "num_attention_heads", None)}
+    out["kv_heads"] = getattr(cfg, "num_key_value_heads", None) or out["q_heads"]
+    hidden = getattr(cfg, "hidden_size", None)
+    out["head_dim"] = getattr(cfg, "head_dim", None) or (hidden // out["q_heads"] if hidden and out["q_heads"]
+                                                         else None)
+    out["max_context"] = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def peek_config(spec: str = DEFAULT_MODEL):
     """The model's transformers config without its weights, to check options against it before any loading; None
     where that needs the network or a first fetch (the load itself checks then). A spec that cannot be a model is

@@ -16,14 +16,16 @@ The paper ("Spotlight Attention: Towards Efficient LLM Generation via Non-linear
   8192 iterations of one sample each; γ = 64, β = 1, α = 3; layers trained independently on precomputed
   activations, the LLM frozen.
 Our choices where the paper is silent or where a dump differs:
-- an iteration is one dumped sequence: `queries_per_step` of its dumped queries (all of them by default when there
-  are fewer) against all keys of that sequence. Every (layer, KV head) trains at once as one batched model; each
+- an iteration is one dumped sequence: a seeded sample of `queries_per_step` (64) of its dumped queries against the
+  keys of that sequence each of them sees. Every (layer, KV head) trains at once as one batched model; each
   head's loss is its own mean over its queries, the heads' losses are summed and clipping is per head, so each
   head takes exactly the step it would take trained alone;
 - GQA pooling "group" (default, as `lsh`): the group's query heads' similarities are summed and one top-k is taken
   per KV head, trained against the top-k of the group's summed attention probabilities (the oracle with that
   pooling); "head": every query head against its own top-k (the paper's models without GQA are this case);
-- the pairwise loss is computed exactly over all k(n - k) pairs, in chunks whose backward is recomputed (no
+- the pairwise loss: each query's k top keys against a uniform sample of `negatives` (1024) of its other keys, drawn
+  afresh every step (an unbiased estimate of the mean over all k(n - k) pairs; at 8192 keys, all pairs cost ~8x
+  more per step); `negatives=0` takes every pair. Computed in chunks whose backward is recomputed (no
   k x n x heads tensor is kept);
 - the training report gives IoU with the exact top-k on held-out sequences of the dump before and after training,
   per layer and head (the paper's Table 1 IoU and its Figure 10), beside the linear hash (`lsh`: angular LSH with
@@ -127,26 +129,33 @@ class _PairwiseRankLoss(torch.autograd.Function):
 
 
 def rank_loss(sim: torch.Tensor, truth: torch.Tensor, valid: torch.Tensor, vis: torch.Tensor, alpha: float,
-              beta: float) -> torch.Tensor:
+              beta: float, negatives: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Eq. 7-9 per query: [L, H, nq]. sim [L, H, nq, nk] similarities, truth/valid the exact top-k (targets.topk_sets),
-    vis the keys each query sees."""
+    vis the keys each query sees. `negatives` > 0: C is a uniform sample (without replacement, from `generator`) of
+    that many of each query's other keys, an unbiased estimate of the mean over all of them at a fraction of the
+    pairs; 0: every pair."""
     b = sim.gather(-1, truth)
-    in_truth = targets.set_mask(truth, valid, sim.shape[-1])
-    return _PairwiseRankLoss.apply(b, sim, valid, vis & ~in_truth, alpha, beta)
+    rest = vis & ~targets.set_mask(truth, valid, sim.shape[-1])
+    if negatives and negatives < sim.shape[-1]:
+        r = torch.rand(rest.shape, generator=generator, device=sim.device)
+        pick = torch.topk(r.masked_fill(~rest, -1.0), negatives, dim=-1).indices  # uniform among the rest
+        return _PairwiseRankLoss.apply(b, sim.gather(-1, pick), valid, rest.gather(-1, pick), alpha, beta)
+    return _PairwiseRankLoss.apply(b, sim, valid, rest, alpha, beta)
 
 
 class SpotlightObjective:
     """The loss of a step and the held-out IoU of a HashModel over the layers of a DumpExamples."""
 
     def __init__(self, data: DumpExamples, patterns, *, keep: float = 0.02, gamma: float = 64.0, alpha: float = 3.0,
-                 beta: float = 1.0, pooling: str = "group", queries_per_step: int = 256, seed: int = 0):
+                 beta: float = 1.0, pooling: str = "group", queries_per_step: int = 256, negatives: int = 1024,
+                 seed: int = 0):
         if pooling not in POOLINGS:
             raise SparseKVError(f"pooling must be group or head, got {pooling!r}")
         if not 0 < keep < 1:
             raise SparseKVError(f"the kept share must be in (0, 1) (pruning rate {1 - keep:g}), got {keep}")
         self.data, self.patterns, self.keep = data, list(patterns), keep
         self.gamma, self.alpha, self.beta, self.pooling = gamma, alpha, beta, pooling
-        self.queries_per_step, self.seed = queries_per_step, seed
+        self.queries_per_step, self.negatives, self.seed = queries_per_step, negatives, seed
         self._truth: dict[int, tuple] = {}  # held-out example index -> its exact top-k (fixed; computed once)
 
     def similarity(self, model: HashModel, ex: Example, hard: bool = False) -> torch.Tensor:
@@ -169,7 +178,8 @@ class SpotlightObjective:
     def loss(self, model: HashModel, step: int) -> torch.Tensor:
         ex = self.data.sample(self.seed, step, self.queries_per_step)
         idx, valid, vis, _ = self.truth(ex)
-        per_query = rank_loss(self.similarity(model, ex), idx, valid, vis, self.alpha, self.beta)
+        g = torch.Generator(ex.k.device).manual_seed(self.seed * 1_000_003 + step)  # the step's own draw: resumable
+        per_query = rank_loss(self.similarity(model, ex), idx, valid, vis, self.alpha, self.beta, self.negatives, g)
         return per_query.mean(-1).sum()  # each head's mean; heads summed (their gradients stay their own)
 
     def heads_iou(self, model: HashModel, examples: Sequence[Example]) -> torch.Tensor:
@@ -191,7 +201,8 @@ class SpotlightObjective:
 
 def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbits: int = 128, hidden: int = 128,
                  arch: str = "mlp", iters: int = 8192, keep: float = 0.02, gamma: float = 64.0, alpha: float = 3.0,
-                 beta: float = 1.0, pooling: str = "group", queries_per_step: int = 256, lr: float = 1e-3,
+                 beta: float = 1.0, pooling: str = "group", queries_per_step: int = 64, negatives: int = 1024,
+                 lr: float = 1e-3,
                  holdout: float = 0.1, heldout_queries: int = 256, eval_every: int = 0, checkpoint_every: int = 512,
                  linear: bool = False, seed: int = 0, device: str | torch.device = "cpu",
                  work: str | Path | None = None, resume: bool = False, progress: Any = None
@@ -207,8 +218,8 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     for name, v in (("--gamma", gamma), ("--alpha", alpha), ("--beta", beta)):
         if not math.isfinite(v) or v <= 0:
             raise SparseKVError(f"{name} must be a positive number, got {v}")
-    if queries_per_step < 1 or heldout_queries < 1:
-        raise SparseKVError("--queries-per-step and --heldout-queries must be >= 1")
+    if queries_per_step < 1 or heldout_queries < 1 or negatives < 0:
+        raise SparseKVError("--queries-per-step and --heldout-queries must be >= 1, --negatives >= 0")
     layers = fit_layers(layers, acts.num_layers)
     cfg = TrainConfig(iters=iters, lr=lr, checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
     cfg.check()
@@ -217,12 +228,13 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     data = DumpExamples(acts, layers, holdout=holdout, device=device, progress=tick.advance, min_keys=2)
     patterns = [acts.patterns()[i] for i in layers]
     obj = SpotlightObjective(data, patterns, keep=keep, gamma=gamma, alpha=alpha, beta=beta, pooling=pooling,
-                             queries_per_step=queries_per_step, seed=seed)
+                             queries_per_step=queries_per_step, negatives=negatives, seed=seed)
     held = data.held_out(heldout_queries, seed)
     L, Hkv, D = len(layers), acts.kv_heads, acts.head_dim
     config = {"arch": "mlp", "hidden": hidden, "nbits": nbits, "pooling": pooling, "keep": keep,
               "pruning_rate": 1 - keep, "gamma": gamma, "alpha": alpha, "beta": beta,
-              "queries_per_step": queries_per_step, "layers": list(layers), "input": "post-RoPE q/k",
+              "queries_per_step": queries_per_step, "negatives": negatives or "all", "layers": list(layers),
+              "input": "post-RoPE q/k",
               "code": "bit i = 1[MLP(x)_i > 0], 16 bits per int16 word (bit i of word i // 16 at position i % 16)",
               "train": {"iters": iters, "lr": lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
                         "optimizer": cfg.optimizer, "betas": list(cfg.betas), "weight_decay": cfg.weight_decay,

@@ -46,16 +46,23 @@ def number(text: str | float | int, kind: Callable = float, option: str = "value
     return value
 
 
-def csv(text: str, kind: Callable = str, option: str = "value", positive: bool = False) -> list:
-    """A comma-separated list; an empty entry (`64,,128`, a trailing comma) is an error, not silently dropped."""
+def csv(text: str, kind: Callable = str, option: str = "value", positive: bool = False, unique: bool = False,
+        required: bool = False) -> list:
+    """A comma-separated list; an empty entry (`64,,128`, a trailing comma) is an error, not silently dropped, and
+    so are, when asked, an entry given twice (`unique`: the grid would run it twice) and an empty list
+    (`required`)."""
     parts = [p.strip() for p in text.split(",")]
     if text.strip() == "":
+        if required:
+            raise SparseKVError(f"{option}: give at least one value")
         return []
     if any(p == "" for p in parts):
         raise SparseKVError(f"{option} {text!r}: empty entry in the comma-separated list")
-    if kind is str:
-        return parts
-    return [number(p, kind, option, positive) for p in parts]
+    values = parts if kind is str else [number(p, kind, option, positive) for p in parts]
+    twice = [p for p, v in zip(parts, values) if values.count(v) > 1]
+    if unique and twice:
+        raise SparseKVError(f"{option} {text!r}: {twice[0]} is given twice")
+    return values
 
 
 def budget(value: float, option: str = "--budget") -> float:
@@ -66,12 +73,129 @@ def budget(value: float, option: str = "--budget") -> float:
     return value
 
 
-def dense_layers(layers: list[int], num_layers: int, option: str = "--dense-layers") -> tuple[int, ...]:
-    bad = [i for i in layers if not 0 <= i < num_layers]
+def budgets(text: str, option: str = "--budget") -> list[float]:
+    """A comma-separated list of budgets, each one as `budget` takes it, none twice."""
+    return [budget(b, option) for b in csv(text, float, option, unique=True, required=True)]
+
+
+def dtype(spec: str, option: str = "--dtype") -> str:
+    if spec not in ("auto", "fp32", "fp16", "bf16"):
+        raise SparseKVError(f"{option} {spec!r}: use auto, fp32, fp16 or bf16")
+    return spec
+
+
+def dense_layers(layers: list[int], num_layers: int | None, option: str = "--dense-layers",
+                 what: str = "the model") -> tuple[int, ...]:
+    """Layer indices that exist (`num_layers` None: not known before loading; the cache checks them then)."""
+    bad = [i for i in layers if num_layers is not None and not 0 <= i < num_layers]
     if bad:
-        raise SparseKVError(f"{option} {','.join(map(str, bad))}: the model has {num_layers} layers "
+        raise SparseKVError(f"{option} {','.join(map(str, bad))}: {what} has {num_layers} layers "
                             f"(0..{num_layers - 1})")
     return tuple(layers)
+
+
+# -- against the model's config (models.peek_config: read without loading any weight) ------------------------------
+
+def model_shape(spec: str) -> dict | None:
+    """The model's shape (models.config_shape) from its config, read without its weights; None where that needs
+    the network or a first fetch (a hub id, a GGUF: checked when it loads). A spec that cannot be a model is
+    refused in one line here."""
+    from .models import config_shape, peek_config
+
+    config = peek_config(spec)
+    return None if config is None else config_shape(config)
+
+
+def lengths(values: list[int], shape: dict | None, model: str, option: str = "--seq", reserve: int = 0,
+            reserve_what: str = "") -> list[int]:
+    """Lengths in tokens that fit the model's context (`reserve` more tokens beside each: what a run adds to it),
+    checked before the model loads or any prompt is built."""
+    from .models import spec_name
+
+    context = (shape or {}).get("max_context") or 0
+    for n in values:
+        if n <= 0:
+            raise SparseKVError(f"{option} must be positive, got {n}")
+        if context and n + reserve > context:
+            if reserve:
+                raise SparseKVError(f"{option} {n} + {reserve} {reserve_what} exceed {spec_name(model)}'s context "
+                                    f"({context} tokens)")
+            raise SparseKVError(f"{option} {n} is longer than {spec_name(model)} supports ({context} tokens)")
+    return values
+
+
+def model_checks(model: str, *, seqs: list[int] = (), option: str = "--seq", reserve: int = 0, reserve_what: str = "",
+                 layers: list[int] = (), artifact_path: str | Path | None = None) -> dict | None:
+    """Every check of a run's options against the model, from its config alone, before it loads: lengths
+    (`option`) within its context, dense `layers` among its layers, an artifact made from it. Returns its shape
+    (None: not known before loading)."""
+    shape = model_shape(model)
+    lengths(list(seqs), shape, model, option, reserve, reserve_what)
+    dense_layers(list(layers), (shape or {}).get("num_layers"))
+    artifact(artifact_path, shape, model)
+    return shape
+
+
+def same_model(recorded: dict | None, shape: dict | None, model: str, what: str) -> None:
+    """An artifact or dump (`recorded`: its manifest's "model") made from the model `model` names: its name and,
+    when the config is known before loading (`shape`), its layer and head counts and head dim; one line names
+    every difference. The weights hash and RoPE are checked when the model has loaded."""
+    from .models import spec_name
+
+    recorded = recorded or {}
+    expected = {"name": spec_name(model), **{k: v for k, v in (shape or {}).items() if k != "max_context"}}
+    diffs = [f"{k} {recorded[k]} != {v}" for k, v in expected.items() if k in recorded and recorded[k] != v]
+    if diffs:
+        raise SparseKVError(f"{what} was made from another model than --model {model} (recorded != given): "
+                            + ", ".join(diffs))
+
+
+def artifact(path: str | Path | None, shape: dict | None, model: str, option: str = "--artifact") -> None:
+    """An artifact made from the model `model` names, read from its manifest alone (no tensor is loaded)."""
+    if path is None:
+        return
+    from .artifacts import read_manifest
+
+    same_model(read_manifest(path).get("model"), shape, model, f"{option} {path}")
+
+
+def sink_window(method: str, sink: int, window: int, budget: float, context: int | None = None) -> None:
+    """A sparse step spends sink + window of its budget on fixed keys: more than the budget is refused before any
+    work (it would fail at the first decode step). A fractional budget is resolved against `context` (unchecked
+    without one); a budget that covers the whole context reads every key, sink and window aside."""
+    from .selection import resolve_budget
+
+    if budget < 1 and context is None:
+        return
+    tokens = resolve_budget(budget, context) if budget < 1 else int(budget)
+    if context is not None and tokens >= context:
+        return
+    of = f" of {context}" if budget < 1 else ""
+    if sink + window > tokens:
+        raise SparseKVError(f"{method}: sink {sink} + window {window} exceed --budget {budget:g} ({tokens} tokens"
+                            f"{of}); lower --sink/--window or raise --budget")
+
+
+def dump(path: str | Path, option: str = "--acts", model: str | None = None):
+    """An activations dump whose every file is whole (sha256, each hashed once per process): a corrupt layer stops
+    the run before any work, not when that layer is reached. With `model`: made from that model (same_model)."""
+    from .activations import load_activations
+
+    if path is None:
+        raise SparseKVError(f"{option}: give a `sparsekv dump` folder")
+    acts = load_activations(path).check_files()
+    if model is not None:
+        same_model(acts.manifest.get("model"), model_shape(model), model, f"{option} {path}")
+    return acts
+
+
+def cpu_stage_device(spec: str, model: str | None, option: str = "--device") -> None:
+    """An offline stage that computes on the CPU uses --device only to load --model: a device given without a
+    model would be silently ignored, so it is refused."""
+    device(spec, option)
+    if model is None and spec not in ("auto", "cpu"):
+        raise SparseKVError(f"{option} {spec}: this stage computes on the CPU; {option} only places --model "
+                            f"(give --model, or leave {option} out)")
 
 
 def output_file(path: Path | None, option: str = "--json") -> Path | None:

@@ -10,6 +10,7 @@ from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
 from sparsekv.methods import get_method
 from sparsekv.methods.spotlight import untrained_hashes
+from sparsekv.saap.model import random_index
 from sparsekv.models import LoadedModel, byte_tokenizer
 from sparsekv.step import make_step, split_supported
 
@@ -41,7 +42,9 @@ STATIC_METHODS = [("dense", {}), ("oracle", {"budget": 24}), ("oracle", {"budget
                   ("quest", {"budget": 40, "page_size": 8, "sink": 2, "window": 5}), ("lsh", {"budget": 24}),
                   ("adamas", {"budget": 24}), ("adamas", {"budget": 24, "distance": "ip", "rerank": 2}),
                   ("oracle", {"budget": 0.1}),
-                  ("spotlight", {"budget": 24, "hashes": untrained_hashes(2, 2, 20, hidden=32, nbits=48)})]
+                  ("spotlight", {"budget": 24, "hashes": untrained_hashes(2, 2, 20, hidden=32, nbits=48)}),
+                  ("saap", {"budget": 40, "sink": 1, "window": 8, "probes": 3,
+                            "index": random_index(2, 2, 20, clusters=8, hidden=16)})]
 
 
 def _method_id(m) -> str:

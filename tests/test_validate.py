@@ -56,6 +56,125 @@ def test_dense_layers():
         validate.dense_layers([0, 7], 2)
 
 
+def test_lists_given_twice_or_empty():
+    with pytest.raises(SparseKVError, match="--method 'oracle,oracle': oracle is given twice"):
+        validate.csv("oracle,oracle", str, "--method", unique=True)
+    with pytest.raises(SparseKVError, match="64 is given twice"):
+        validate.budgets("64,64.0")
+    with pytest.raises(SparseKVError, match="--seq: give at least one value"):
+        validate.csv("", int, "--seq", required=True)
+    assert validate.csv("oracle,oracle") == ["oracle", "oracle"]  # only when asked
+    assert validate.budgets("0.05,128") == [0.05, 128.0]
+    with pytest.raises(SparseKVError, match="neither a whole"):
+        validate.budgets("64,1.5")
+
+
+def test_dtype():
+    assert validate.dtype("bf16") == "bf16"
+    with pytest.raises(SparseKVError, match="--dtype 'fp8': use auto, fp32, fp16 or bf16"):
+        validate.dtype("fp8")
+
+
+def test_lengths_against_the_context():
+    shape = {"max_context": 4096, "num_layers": 2}
+    assert validate.lengths([300, 4096], shape, "tiny-random") == [300, 4096]
+    assert validate.lengths([10**7], None, "someone/some-model") == [10**7]  # not known before loading
+    with pytest.raises(SparseKVError, match=r"--seq 4097 is longer than tiny-random\(seed=0\) supports \(4096 tokens\)"):
+        validate.lengths([300, 4097], shape, "tiny-random")
+    with pytest.raises(SparseKVError, match=r"--seq 4000 \+ 100 new tokens exceed tiny-random\(seed=0\)'s context"):
+        validate.lengths([4000], shape, "tiny-random", reserve=100, reserve_what="new tokens")
+    with pytest.raises(SparseKVError, match="--seq must be positive, got 0"):
+        validate.lengths([0], shape, "tiny-random")
+
+
+def test_model_checks_read_the_config_only():
+    shape = validate.model_checks("tiny-random", seqs=[4096], layers=[0, 1])
+    assert shape == {"num_layers": 2, "q_heads": 6, "kv_heads": 2, "head_dim": 20, "max_context": 4096}
+    with pytest.raises(SparseKVError, match="--dense-layers 2: the model has 2 layers"):
+        validate.model_checks("tiny-random", layers=[2])
+    assert validate.model_checks("someone/some-model", seqs=[10**7], layers=[99]) is None  # checked when it loads
+
+
+def test_a_far_too_long_seq_is_refused_at_once():
+    """No prompt is built for a length the model cannot take (it once cost 31 s and 2.4 GB first)."""
+    import time
+
+    from sparsekv.eval.grid import EvalConfig
+
+    cfg = EvalConfig("passkey", ["oracle"], [64], [10_000_000], n=1)
+    cfg.check()
+    t0 = time.perf_counter()
+    with pytest.raises(SparseKVError, match="--seq 10000000 is longer than"):
+        cfg.check_model("tiny-random")
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_sink_window():
+    validate.sink_window("oracle", 30, 30, 64)
+    validate.sink_window("oracle", 30, 30, 0.1)  # a fraction without a context: checked when it has one
+    validate.sink_window("oracle", 30, 30, 32, context=32)  # the budget covers the context: every key, no split
+    with pytest.raises(SparseKVError, match=r"oracle: sink 30 \+ window 30 exceed --budget 32 \(32 tokens\)"):
+        validate.sink_window("oracle", 30, 30, 32)
+    with pytest.raises(SparseKVError, match=r"exceed --budget 0.1 \(30 tokens of 300\)"):
+        validate.sink_window("oracle", 30, 31, 0.1, context=300)
+
+
+def test_sink_window_of_a_grid_uses_the_methods_defaults():
+    from sparsekv.eval.grid import specs_for
+    from sparsekv.methods import MethodOptions
+
+    specs_for(["streaming", "adamas"], [8], [300], MethodOptions())  # sink 4 / window 1 fit
+    with pytest.raises(SparseKVError, match="streaming: sink 4 \\+ window 0 exceed --budget 2"):
+        specs_for(["streaming"], [2], [300], MethodOptions())
+    with pytest.raises(SparseKVError, match="adamas: sink 8 \\+ window 1 exceed --budget 0.02 \\(6 tokens of 300\\)"):
+        specs_for(["adamas"], [0.5, 0.02], [1000, 300], MethodOptions(sink=8))
+
+
+def test_same_model():
+    recorded = {"name": "tiny-random(seed=0)", "num_layers": 2, "q_heads": 6, "kv_heads": 2, "head_dim": 20}
+    shape = validate.model_shape("tiny-random")
+    validate.same_model(recorded, shape, "tiny-random", "--artifact x")
+    with pytest.raises(SparseKVError, match=r"--artifact x was made from another model than --model tiny-random "
+                                            r"\(recorded != given\): name m != tiny-random\(seed=0\), kv_heads 1 != 2$"):
+        validate.same_model({**recorded, "name": "m", "kv_heads": 1}, shape, "tiny-random", "--artifact x")
+    with pytest.raises(SparseKVError, match="name tiny-random.seed=0. != someone/some-model$"):
+        validate.same_model(recorded, None, "someone/some-model", "--acts d")  # the name is known before loading
+
+
+def test_dump_files_are_checked_up_front(tmp_path):
+    import shutil
+
+    from sparsekv.activations import dump_activations, load_activations
+    from sparsekv.models import load_model
+
+    lm = load_model("tiny-random")
+    dump_activations(lm, [i % 256 for i in range(300)], tmp_path / "d", seq_len=150, queries_per_seq=4)
+    shutil.copytree(tmp_path / "d", tmp_path / "bad")
+    assert validate.dump(tmp_path / "d", model="tiny-random").num_layers == 2
+    layer = tmp_path / "bad" / "layer_001.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-1] ^= 1
+    layer.write_bytes(bytes(data))  # same size: only the hash tells
+    acts = load_activations(tmp_path / "bad")  # opening checks sizes only ...
+    with pytest.raises(SparseKVError, match="corrupted: layer_001.safetensors sha256 mismatch"):
+        acts.check_files()  # ... every file is hashed before an offline stage starts
+    with pytest.raises(SparseKVError, match="--dense-layers 2: the dump has 2 layers"):
+        from sparsekv.eval.grid import check_recall_layers
+
+        check_recall_layers([2], 2)
+
+
+def test_a_cpu_stage_refuses_a_device_it_would_ignore():
+    validate.cpu_stage_device("auto", None)
+    validate.cpu_stage_device("cpu", None)
+    with pytest.raises(SparseKVError, match="--device 'tpu'"):
+        validate.cpu_stage_device("tpu", "tiny-random")
+    if torch.cuda.is_available():
+        validate.cpu_stage_device("cuda", "tiny-random")
+        with pytest.raises(SparseKVError, match="--device cuda: this stage computes on the CPU"):
+            validate.cpu_stage_device("cuda", None)
+
+
 def test_output_paths(tmp_path):
     assert validate.output_file(tmp_path / "new" / "deeper" / "r.json") == tmp_path / "new" / "deeper" / "r.json"
     with pytest.raises(SparseKVError, match="is a folder"):

@@ -47,6 +47,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (  # from each model's config.jso
     Shape("mistral-7b", 32, 8, 128, 32, 4096, 14336, 32768, 1000000.0),
     Shape("qwen2.5-7b", 28, 4, 128, 28, 3584, 18944, 152064, 1000000.0),
     Shape("smollm2-135m", 9, 3, 64, 30, 576, 1536, 49152, 100000.0),
+    Shape("one-head", 1, 1, 128),  # one query head on one KV head of dim 128 (per-head retrieval timings)
 )}
 
 

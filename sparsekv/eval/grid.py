@@ -87,6 +87,23 @@ class EvalConfig:
         if self.task != "recall":  # recall's length comes from its dump
             self.specs()
 
+    def check_model(self, model: str) -> None:
+        """The checks that need the model's config (read without its weights) or the dump, before the model loads:
+        lengths against its context, dense layers against its layer count (recall: the dump's), an artifact and a
+        dump made from another model, a dump's files (sha256). One SparseKVError line naming the option."""
+        from .. import validate
+
+        if self.task != "recall":
+            validate.model_checks(model, seqs=self.seqs, layers=self.dense_layers, artifact_path=self.options.artifact)
+            return
+        shape = validate.model_shape(model)
+        acts = validate.dump(self.acts)
+        validate.same_model(acts.manifest.get("model"), shape, model, f"--acts {self.acts}")
+        check_recall_layers(self.dense_layers, acts.num_layers)
+        specs_for([m for m in self.methods if m != "dense"] or ["oracle"], self.budgets, [acts.seq_lengths[0]],
+                  self.options)
+        validate.artifact(self.options.artifact, shape, model)
+
     def specs(self) -> list[RunSpec]:
         """The grid's cells (perplexity: dense first, as every sparse score is read against it)."""
         return specs_for(self.methods, self.budgets, self.seqs, self.options, always_dense=self.task == "ppl")
@@ -102,7 +119,35 @@ def specs_for(methods: list[str], budgets: list[float], seqs: list[int], options
     specs = [RunSpec(m, b, options.for_method(m)) for m in methods for b in ([None] if m == "dense" else budgets)]
     for L in seqs:
         check_specs(specs, L)
+    for L in seqs or [None]:  # an integer budget needs no length; a fraction is checked at each one
+        check_sink_window(specs, L)
     return specs
+
+
+def check_sink_window(specs: list[RunSpec], context: int | None) -> None:
+    """Each cell's sink + window (given, else its method's defaults) within its budget, before any work."""
+    from .. import validate
+    from ..methods.base import REGISTRY
+
+    for sp in specs:
+        cls = REGISTRY.get(sp.method)
+        if sp.budget is None or cls is None:
+            continue
+        sink, window = sp.method_options.get("sink"), sp.method_options.get("window")
+        validate.sink_window(sp.method, cls.default_sink if sink is None else sink,
+                             cls.default_window if window is None else window, sp.budget, context)
+
+
+def check_recall_layers(dense_layers: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
+    """Recall's dense layers: layers of the dump, and not all of them (a dense layer is not scored: nothing would
+    be left to measure)."""
+    from .. import validate
+
+    layers = validate.dense_layers(list(dense_layers), num_layers, what="the dump")
+    if num_layers and len(set(layers)) >= num_layers:
+        raise SparseKVError(f"--dense-layers {','.join(map(str, layers))}: every layer of the dump is dense; "
+                            f"recall has no layer left to score")
+    return layers
 
 
 def method_for(name: str, budget: float, options: MethodOptions | dict | None = None) -> Method:
@@ -180,9 +225,11 @@ def _recall(lm: LoadedModel, cfg: EvalConfig, tick: Ticker) -> list[dict]:
     from .recall import default_min_context, query_rows, recall_grid
 
     acts = load_activations(cfg.acts, lm)
+    dense = check_recall_layers(cfg.dense_layers, acts.num_layers)
     min_context = default_min_context(cfg.budgets) if cfg.min_context is None else cfg.min_context
     specs = specs_for([m for m in cfg.methods if m != "dense"] or ["oracle"], cfg.budgets, [acts.seq_lengths[0]],
                       cfg.options)
     tick.update(label=f"recall on {cfg.acts} ({len(specs)} method/budget cells)",
-                total=acts.num_layers * len(query_rows(acts, cfg.max_queries, min_context)))
-    return recall_grid(acts, specs, lm, on_item=tick.advance, max_queries=cfg.max_queries, min_context=min_context)
+                total=(acts.num_layers - len(set(dense))) * len(query_rows(acts, cfg.max_queries, min_context)))
+    return recall_grid(acts, specs, lm, on_item=tick.advance, max_queries=cfg.max_queries, min_context=min_context,
+                       dense_layers=dense)

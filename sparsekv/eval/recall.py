@@ -16,6 +16,11 @@ kernels' own slots: `Selection.positions`). Against the exact attention of the q
   The reference takes the method's `sink` and `window` attributes: a method whose window is derived from the
   budget (StreamingLLM's "budget - sink") has window 0 there, so its oracle spends the rest on exact top-k.
 
+Dense layers (`dense_layers`, eval's --dense-layers) are what a decode does with them: attended densely, the method
+never selects there. Their selection would be exact by construction, so they are not scored (as the queries whose
+whole context fits the budget are left out): their `per_layer` rows say "dense": true with no measures, the means
+and the decode statistics are over the other layers, and the result lists them in `dense_layers`.
+
 Why states are grown rather than built once and truncated (`state.length = p + 1`): methods with per-page or
 per-segment summaries (Quest's min/max, RADAR's segment means) fold every appended key into the summary of its
 page, so a state built over the whole sequence and cut back would leak later keys into the last partial page.
@@ -50,7 +55,8 @@ PROTOCOL = ("selection quality on dumped activations (offline, no model forward)
             "exact softmax(q·k/sqrt(d)) over [0, p] per query head: attention mass on the attended keys "
             "(sink + window + selected), recall of the exact top-k (k = keys attended, pooled as the method pools; "
             "_head: per query head), IoU with the oracle's attended set at the same budget/sink/window/pooling; "
-            "means over query heads, queries, then layers; score = 100 x attention_mass_recall")
+            "means over query heads, queries, then layers (dense layers: not scored); score = 100 x "
+            "attention_mass_recall")
 
 METRICS = ("attention_mass_recall", "topk_recall", "topk_recall_head", "iou", "oracle_mass_recall")
 
@@ -115,17 +121,26 @@ def query_rows(acts: Activations, max_queries: int | None = None, min_context: i
 
 def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None = None,
                 on_item: Callable[[], object] | None = None, max_queries: int | None = None,
-                min_context: int = 0) -> list[dict]:
+                min_context: int = 0, dense_layers: tuple[int, ...] | list[int] = ()) -> list[dict]:
     """Selection quality of every spec on the dump's queries (module docstring). One result dict per spec.
 
     `lm`: the model the dump came from (checked by fingerprint); only needed by methods whose `bind` needs more
     than the dump's recorded fingerprint (artifacts are checked against it without a model). Work runs on lm's
     device when given (GPU kernels there), else on the CPU. `on_item()` is called once per (layer, query):
-    `num_layers * n` calls. `min_context`: skip queries that see fewer keys (e.g. the budget, to leave out
-    queries whose selection is trivially the whole context; those count in `queries_dense` otherwise).
+    `(num_layers - dense layers) * n` calls. `min_context`: skip queries that see fewer keys (e.g. the budget, to
+    leave out queries whose selection is trivially the whole context; those count in `queries_dense` otherwise).
+    `dense_layers`: layers the method does not select in, not scored (module docstring).
     """
     seq_len = max(acts.seq_lengths)
     check_specs(specs, seq_len)
+    dense = frozenset(dense_layers)
+    bad = sorted(i for i in dense if not 0 <= i < acts.num_layers)
+    if bad:
+        raise SparseKVError(f"dense layer(s) {bad} out of range: the dump has {acts.num_layers} layers "
+                            f"(0..{acts.num_layers - 1})")
+    if len(dense) >= acts.num_layers:
+        raise SparseKVError("every layer of the dump is dense: recall has no layer left to score")
+    acts.check_files()  # a corrupt layer stops here, before the work, not when it is reached
     if lm is not None:
         check_fingerprint(acts.path, acts.manifest.get("model") or {}, lm.fingerprint())
     target = lm if lm is not None else DumpModel.from_dump(acts)
@@ -157,6 +172,8 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
     patterns = acts.patterns()
     t_start = time.perf_counter()
     for layer in range(L):
+        if layer in dense:
+            continue
         data = acts.layer(layer)
         for s, qrows in per_seq:
             off, n = acts.seq_offsets[s], acts.seq_lengths[s]
@@ -168,7 +185,7 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
                           data["q_pos"][qrows].tolist(), on_item, patterns[layer])
     total = time.perf_counter() - t_start
     other = max(total - sum(seconds), 0.0) / len(specs)  # exact attention, loading: split evenly
-    return [_result(acts, lm, sp, m, None if r is None else runners[r], a, seq_len, len(rows), sec + other)
+    return [_result(acts, lm, sp, m, None if r is None else runners[r], a, seq_len, len(rows), sec + other, dense)
             for sp, m, r, a, sec in zip(specs, methods, ref_of, acc, seconds)]
 
 
@@ -295,7 +312,7 @@ def _score(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor |
 
 
 def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | None, acc: list[_Acc],
-            seq_len: int, n_queries: int, seconds: float) -> dict:
+            seq_len: int, n_queries: int, seconds: float, dense: frozenset = frozenset()) -> dict:
     def mean(key: str) -> float | None:
         vals = [a.mean(key) for a in acc if a.n]
         vals = [v for v in vals if v == v]  # NaN: no reference
@@ -306,16 +323,18 @@ def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | 
 
     per_layer = [{"layer": i, **{k: r4(a.mean(k)) for k in METRICS},
                   "selectivity": r4(a.stats.summary()["selectivity"]),
-                  "queries_dense": r4(a.dense / a.queries if a.queries else None)}
+                  "queries_dense": r4(a.dense / a.queries if a.queries else None), "dense": i in dense}
                  for i, a in enumerate(acc)]
     mass = mean("attention_mass_recall")
     return CellResult(
         task="recall", metric="attention_mass_recall", score=None if mass is None else 100.0 * mass,
         method=spec.method, method_config=method.config(), budget=spec.budget, seq_len=seq_len, n=n_queries,
-        decode=decode_means([a.stats.summary() for a in acc]), model=(acts.manifest.get("model") or {}).get("name", ""),
+        decode=decode_means([a.stats.summary() for i, a in enumerate(acc) if i not in dense]),
+        model=(acts.manifest.get("model") or {}).get("name", ""),
         model_source=lm.source if lm is not None else f"dump {acts.path}", artifact=spec.method_options.get("artifact"),
         seed=acts.data.get("seed"),  # the dump's query sampling seed
         protocol=PROTOCOL, device=str(lm.device) if lm is not None else "cpu", seconds=seconds,
+        dense_layers=sorted(dense),
         measures={**{k: mean(k) for k in METRICS}, "iou_reference": None if ref is None else ref.config()},
         task_fields={
             # share of (layer, query) selections that read the whole context

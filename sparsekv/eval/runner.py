@@ -17,6 +17,7 @@ from ..methods import get_method, method_names
 from ..models import LoadedModel
 from ..selection import check_budget
 from . import metrics, passkey
+from .intervals import annotate
 from .result import CellResult, decode_fields, decode_means, tokenizer_name
 
 PROTOCOL = ("query-aware decode: dense prefill of context + question + answer prefix; the method selects keys at "
@@ -115,8 +116,8 @@ def run_grid(lm: LoadedModel, task: str, specs: list[RunSpec], seq_len: int, n: 
     seconds = [0.0] * len(specs)
 
     def results(complete: bool) -> list[dict]:
-        return [{**_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec, skipped),
-                 "complete": complete} for spec, m, r, st, sec in zip(specs, methods, rows, stats, seconds)]
+        return annotate([{**_result(lm, task, spec, m, seq_len, seed, dense_layers, samples, r, st, sec, skipped),
+                          "complete": complete} for spec, m, r, st, sec in zip(specs, methods, rows, stats, seconds)])
 
     for at in range(0, len(samples), batch_size):
         group = samples[at : at + batch_size]

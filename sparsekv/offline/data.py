@@ -26,6 +26,13 @@ class Example:
     k: torch.Tensor
     q_pos: torch.Tensor
     seq: int
+    # with DumpExamples(pre_rope=True, with_post=True): the post-RoPE q/k too, which the model's attention scores
+    q_post: torch.Tensor | None = None
+    k_post: torch.Tensor | None = None
+
+    def attention_qk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k whose products are the model's attention logits (post-RoPE)."""
+        return (self.q, self.k) if self.q_post is None else (self.q_post, self.k_post)
 
 
 class DumpExamples:
@@ -35,7 +42,7 @@ class DumpExamples:
 
     def __init__(self, acts: Activations, layers: Sequence[int], *, pre_rope: bool = False, holdout: float = 0.1,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 min_keys: int = 1, progress: Callable[[int], None] | None = None):
+                 min_keys: int = 1, progress: Callable[[int], None] | None = None, with_post: bool = False):
         if not layers:
             raise SparseKVError("no layers to fit")
         if not 0 <= holdout < 1:
@@ -43,13 +50,19 @@ class DumpExamples:
         self.acts, self.layers, self.device = acts, list(layers), torch.device(device)
         suffix = "pre" if pre_rope else "post"
         qs, ks = [], []
+        post = pre_rope and with_post  # SAAP: pre-RoPE inputs, post-RoPE attention targets
+        qps, kps = [], []
         for i in self.layers:
             t = acts.layer(i)
             qs.append(t[f"q_{suffix}"].to(self.device, dtype))
             ks.append(t[f"k_{suffix}"].to(self.device, dtype))
+            if post:
+                qps.append(t["q_post"].to(self.device, dtype))
+                kps.append(t["k_post"].to(self.device, dtype))
             if progress is not None:
                 progress(1)
         self.q, self.k = torch.stack(qs), torch.stack(ks)  # [L, Hq, S, D], [L, Hkv, T, D]
+        self.q_post, self.k_post = (torch.stack(qps), torch.stack(kps)) if post else (None, None)
         pos = acts.positions()
         self.q_pos, self.q_seq = pos["q_pos"], pos["q_seq"]
         self.offsets, self.lengths = acts.seq_offsets, acts.seq_lengths
@@ -71,8 +84,9 @@ class DumpExamples:
     def example(self, seq: int, rows: torch.Tensor) -> Example:
         """The queries `rows` (indices into the dump's query rows, all of sequence `seq`) and that sequence's keys."""
         lo, n = self.offsets[seq], self.lengths[seq]
-        return Example(self.q[:, :, rows.to(self.device)], self.k[:, :, lo : lo + n],
-                       self.q_pos[rows].to(self.device), seq)
+        r = rows.to(self.device)
+        post = {} if self.q_post is None else {"q_post": self.q_post[:, :, r], "k_post": self.k_post[:, :, lo : lo + n]}
+        return Example(self.q[:, :, r], self.k[:, :, lo : lo + n], self.q_pos[rows].to(self.device), seq, **post)
 
     def sample(self, seed: int, step: int, n_queries: int, keep: Callable[[Example], torch.Tensor] | None = None
                ) -> Example:

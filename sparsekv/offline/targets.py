@@ -29,13 +29,15 @@ def visible(q_pos: torch.Tensor, nk: int, spans: Sequence[int]) -> torch.Tensor:
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, patterns: Sequence[AttentionPattern],
-                    pooling: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
+                    pooling: str = "group", mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of queries q [L, Hq, nq, D] over keys k [L, Hkv, nk, D] (fp32): returns the probabilities
-    [L, Hsel, nq, nk] (Hsel = Hkv pooled "group", Hq for "head") and the visible mask [L, 1, nq, nk]."""
+    [L, Hsel, nq, nk] (Hsel = Hkv pooled "group", Hq for "head") and the visible mask [L, 1, nq, nk]. `mask` (bool
+    [L or 1, 1, nq, nk]) replaces the visible keys: the softmax over those keys only (SAAP's long-range pairs); a
+    query with none gets NaN."""
     L, Hq, nq, D = q.shape
     Hkv, nk = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    vis = visible(q_pos, nk, [p.span for p in patterns])
+    vis = visible(q_pos, nk, [p.span for p in patterns]) if mask is None else mask
     logits = torch.einsum("lhgqd,lhkd->lhgqk", q.float().view(L, Hkv, g, nq, D), k.float())
     scale = torch.tensor([p.scaling or D ** -0.5 for p in patterns], device=q.device).view(L, 1, 1, 1, 1)
     logits = logits * scale

@@ -69,7 +69,7 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     steps: int
-    seconds: float
+    seconds: float  # training time, the interrupted runs' included
     resumed_from: int  # 0: a fresh run
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss over the steps since the last)
     evals: list[tuple[int, dict]] = field(default_factory=list)  # (step, held-out metrics)
@@ -101,11 +101,11 @@ def train(model: torch.nn.Module, loss_at: Callable[[int], torch.Tensor], cfg: T
     opt = make_optimizer(model, cfg)
     ident = {"train": _plain(asdict(cfg)), **(identity or {})}
     ckpt = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir is not None else None
-    start, losses, evals = 0, [], []
+    start, losses, evals, before = 0, [], [], 0.0
     if resume:
         if ckpt is None or not ckpt.exists():
             raise SparseKVError(f"--resume: no checkpoint at {ckpt or '(no checkpoint folder)'}; run without --resume")
-        start, losses, evals = _load(ckpt, model, opt, ident)
+        start, losses, evals, before = _load(ckpt, model, opt, ident)
     tick = Ticker(progress, cfg.iters, label)
     tick.advance(start)
     t0, window, since = time.perf_counter(), 0.0, 0
@@ -139,12 +139,12 @@ def train(model: torch.nn.Module, loss_at: Callable[[int], torch.Tensor], cfg: T
                     shown += f" · held-out {show} {evals[-1][1][show]:.3f}"
                 tick.update(shown)
             if ckpt is not None and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                _save(ckpt, model, opt, step, losses, evals, ident)
+                _save(ckpt, model, opt, step, losses, evals, ident, before + time.perf_counter() - t0)
     except KeyboardInterrupt:
         if ckpt is not None and step > start:
-            _save(ckpt, model, opt, step, losses, evals, ident)
+            _save(ckpt, model, opt, step, losses, evals, ident, before + time.perf_counter() - t0)
         raise
-    return TrainResult(cfg.iters, time.perf_counter() - t0, start, losses, evals)
+    return TrainResult(cfg.iters, before + time.perf_counter() - t0, start, losses, evals)
 
 
 def _plain(x: Any) -> Any:
@@ -156,15 +156,15 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _save(path: Path, model, opt, step: int, losses, evals, identity: dict) -> None:
+def _save(path: Path, model, opt, step: int, losses, evals, identity: dict, seconds: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(), "losses": losses,
-                "evals": evals, "identity": _plain(identity)}, tmp)
+                "evals": evals, "identity": _plain(identity), "seconds": seconds}, tmp)
     os.replace(tmp, path)
 
 
-def _load(path: Path, model, opt, identity: dict) -> tuple[int, list, list]:
+def _load(path: Path, model, opt, identity: dict) -> tuple[int, list, list, float]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
@@ -177,4 +177,4 @@ def _load(path: Path, model, opt, identity: dict) -> tuple[int, list, list]:
                             f"{', '.join(diffs)}); rerun with the same options or without --resume")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    return int(state["step"]), list(state["losses"]), list(state["evals"])
+    return int(state["step"]), list(state["losses"]), list(state["evals"]), float(state.get("seconds", 0.0))

@@ -1,0 +1,195 @@
+"""`sparsekv index`: SAAP's index of a model, fitted to a dump (the paper's offline stage, §4 and Appendix A).
+
+1. Per (layer, KV head), spherical k-means of the keys into C buckets with faiss (sparsekv/saap/kmeans.py): on the
+   pre-RoPE keys (§4 "Assigning with(out) RoPE": RoPE's temporal drift hurts the assignment), or with
+   `space="post"` on the post-RoPE ones (the paper's "K-means (roped inputs)" baseline). Trained on the fit
+   sequences' keys, the attention sink (each sequence's first `sink` keys) left out.
+2. Every (layer, KV head)'s query model trained at once (sparsekv/saap/objective.py: eq. 1's KL against each
+   long-range query's attention per bucket) through the shared loop (sparsekv/offline/train.py): Adam at lr 1e-5,
+   constant, 40k iterations (Appendix A), checkpoints and resume. `query_model=False` skips it (the "K-means"
+   baselines: queries ranked by the centroids).
+3. The report: bucket sizes of held-out keys (histogram, imbalance factor), and on held-out long-range queries the
+   Q-model's KL and, at ℓ probes, the share of queries whose heaviest long-range key is in a visited bucket and the
+   share of their long-range attention the visited buckets hold, beside the centroid baseline's.
+
+Scaled to the dump (the paper trains on 40 prompts of 500k tokens; a dump's sequences are far shorter): the pair
+distance `gap` defaults to min(2047, seq_len // 4) and the long-range query threshold `min_range` to min(1024,
+gap // 2). The paper's gap is its dense window (2047): pairs farther apart than the window are the ones the sparse
+part must find. A 2048-token dump would have no such pair, so the gap keeps three quarters of each sequence as
+long-range keys, with the paper's 1:2 ratio between the two thresholds; decode with a window of about the same
+size as the gap the index was fitted with (the report records both).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..activations import Activations
+from ..errors import SparseKVError
+from ..offline.data import DumpExamples
+from ..offline.stage import checkpoint_dir, data_record, fit_layers, save_stage
+from ..offline.train import TrainConfig, train
+from ..progress import Ticker
+from .kmeans import clusters_for, spherical_kmeans
+from .model import QueryModel, assign
+from .objective import LongRange, SaapObjective, bucket_sizes
+
+METHOD = "saap"
+KMEANS = "kmeans.pt"  # beside the training checkpoint: a resumed run reuses the centroids
+
+
+def default_ranges(seq_len: int) -> tuple[int, int]:
+    """(gap, min_range) for a dump of `seq_len`-token sequences (module docstring)."""
+    gap = max(1, min(2047, seq_len // 4))
+    return gap, max(1, min(1024, gap // 2))
+
+
+def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, clusters: int = 1024,
+               kmeans_iters: int = 10, space: str = "pre", query_model: bool = True, hidden: int = 1024,
+               iters: int = 40000, lr: float = 1e-5, queries_per_step: int = 1000, gap: int | None = None,
+               min_range: int | None = None, causal: bool = False, sink: int = 1, probes: int | None = None,
+               holdout: float = 0.1, heldout_queries: int = 1000, eval_every: int = 0, checkpoint_every: int = 1000,
+               seed: int = 0, device: str | torch.device = "cpu", work: str | Path | None = None,
+               resume: bool = False, progress: Any = None) -> tuple[dict, dict, dict]:
+    """Fit the index of `layers` (default: all); returns (tensors, config, report): tensors {"index": centroids
+    [L, Hkv, C, D], layers [L]} and, with a Q-model, {"query_model": w1 [L, Hkv, D, M], b1 [L, Hkv, M], w2
+    [L, Hkv, M, C], b2 [L, Hkv, C]} (batch norm folded into w1, b1; fp32). `work`: the checkpoint folder
+    (sparsekv.offline.stage.checkpoint_dir); `resume`: continue the run saved there."""
+    if space not in ("pre", "post"):
+        raise SparseKVError(f"--space must be pre or post, got {space!r}")
+    for name, v in (("--kmeans-iters", kmeans_iters), ("--hidden", hidden), ("--queries-per-step", queries_per_step),
+                    ("--heldout-queries", heldout_queries)):
+        if v < 1:
+            raise SparseKVError(f"{name} must be >= 1, got {v}")
+    if sink < 0:
+        raise SparseKVError(f"--sink must be >= 0, got {sink}")
+    layers = fit_layers(layers, acts.num_layers)
+    auto_gap, auto_min = default_ranges(max(acts.seq_lengths))
+    gap, min_range = auto_gap if gap is None else gap, auto_min if min_range is None else min_range
+    if gap < 1 or min_range < 0:
+        raise SparseKVError(f"--gap must be >= 1 and --min-range >= 0, got {gap} and {min_range}")
+    cfg = TrainConfig(iters=iters, lr=lr, min_lr=lr, warmup=0, optimizer="adam", betas=(0.9, 0.999),
+                      weight_decay=0.0, clip=None, checkpoint_every=checkpoint_every,
+                      eval_every=eval_every or max(1, iters // 8), seed=seed)
+    cfg.check()
+    t0 = time.perf_counter()
+    tick = Ticker(progress, len(layers), "load dump")
+    data = DumpExamples(acts, layers, pre_rope=space == "pre", with_post=True, holdout=holdout, device=device,
+                        progress=tick.advance)
+    L, Hkv, D = len(layers), acts.kv_heads, acts.head_dim
+
+    # 1. k-means on the fit sequences' keys, sinks left out
+    rows = torch.cat([torch.arange(data.offsets[s] + sink, data.offsets[s] + data.lengths[s])
+                      for s in data.fit_seqs])
+    C, note = clusters_for(clusters, len(rows))
+    if note:
+        tick.note(note)
+    probes = max(1, round(C / 32)) if probes is None else min(int(probes), C)
+    centroids, backend, km_seconds = _kmeans(data.k[:, :, rows.to(data.k.device)], C, kmeans_iters, seed, work,
+                                             resume, progress)
+    centroids = centroids.to(device)
+    buckets = assign(data.k, centroids)  # [L, Hkv, T]: every dumped key's bucket
+
+    # 2. the Q-model
+    pairs = LongRange(gap, min_range, sink, causal)
+    obj = SaapObjective(data, [acts.patterns()[i] for i in layers], buckets, C, pairs, queries_per_step, seed)
+    held = data.held_out(heldout_queries, seed)
+    config = {"clusters": C, "clusters_asked": clusters, "space": space, "query_model": query_model,
+              "hidden": hidden, "layers": list(layers), "probes_reported": probes,
+              "key_assignment": "argmax of inner products with unit centroids (spherical k-means)",
+              "kmeans": {"iters": kmeans_iters, "backend": backend, "spherical": True, "seed": seed,
+                         "init": "random (faiss)", "training_keys_per_head": len(rows)},
+              "pairs": {"gap": gap, "min_range": min_range, "sink": sink, "causal": causal,
+                        "defaults_from_seq_len": max(acts.seq_lengths)},
+              "train": {"iters": iters, "lr": lr, "optimizer": "adam", "betas": [0.9, 0.999], "schedule": "constant",
+                        "queries_per_step": queries_per_step, "seed": seed, "holdout": holdout}}
+    model = QueryModel(L, Hkv, D, hidden, C, seed=seed).to(device) if query_model else None
+    before = obj.evaluate(held, model, centroids, probes)
+    report: dict[str, Any] = {"clusters": {"asked": clusters, "used": C, "note": note},
+                              "kmeans": {"backend": backend, "seconds": km_seconds},
+                              "heldout": {"sequences": len(held), "queries": sum(e.q.shape[2] for e in held),
+                                          "from_fit_sequences": not data.held_seqs,
+                                          "long_range_share": _share(before, held)}}
+    after = before
+    if model is not None:
+        def evaluate() -> dict:
+            m = obj.evaluate(held, model, centroids, probes)
+            return {k: round(float(v.mean()), 4) for k, v in m.items() if k != "queries"}
+
+        run = train(model, lambda step: obj.loss(model, step), cfg, checkpoint_dir=work, resume=resume,
+                    identity={"stage": "index", "config": config, "data": data_record(acts)}, evaluate=evaluate,
+                    progress=progress, label="index", show="kl")
+        report["train"] = run.report()
+        after = obj.evaluate(held, model, centroids, probes)
+    report["metrics"] = _metrics(layers, probes, before, after, model is not None)
+    held_rows = torch.cat([torch.arange(data.offsets[s] + sink, data.offsets[s] + data.lengths[s])
+                           for s in (data.held_seqs or data.fit_seqs)])
+    report["buckets"] = bucket_sizes(buckets[:, :, held_rows.to(buckets.device)], C)
+    report["buckets"]["from_fit_sequences"] = not data.held_seqs
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    report["device"] = str(device) if str(device) == "cpu" else torch.cuda.get_device_name(torch.device(device))
+    tensors = {"index": {"centroids": centroids.float().cpu().contiguous(), "layers": torch.tensor(list(layers))}}
+    if model is not None:
+        tensors["query_model"] = model.folded()
+    return tensors, config, report
+
+
+def fit_index(acts: Activations, root: str | Path, *, resume: bool = False, version: str | None = None,
+              progress: Any = None, **options: Any) -> tuple[Path, dict]:
+    """index_keys with its checkpoints in a hidden folder under `root` (named by the run's options and dump, so
+    `resume` finds it), then the artifact (method "saap") written under `root` and the checkpoints removed.
+    Returns (path, report)."""
+    identity = {"stage": "index", "options": {k: v for k, v in sorted(options.items()) if k != "device"},
+                "data": data_record(acts)}
+    work = checkpoint_dir(root, acts, METHOD, identity)
+    tensors, config, report = index_keys(acts, work=work, resume=resume, progress=progress, **options)
+    return save_stage(root, acts, METHOD, tensors, config, report, version=version, work=work), report
+
+
+def _kmeans(keys: torch.Tensor, clusters: int, iters: int, seed: int, work, resume: bool, progress):
+    """(centroids, backend, seconds): faiss k-means, or with `resume` the centroids a previous run of the same
+    command saved in its checkpoint folder."""
+    path = Path(work) / KMEANS if work is not None else None
+    if resume and path is not None and path.exists():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return saved["centroids"], saved["backend"], 0.0
+    t0 = time.perf_counter()
+    tick = Ticker(progress, keys.shape[0] * keys.shape[1], f"k-means ({clusters} buckets)")
+    centroids, backend = spherical_kmeans(keys, clusters, iters, seed, progress=tick.advance)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({"centroids": centroids, "backend": backend}, tmp)
+        tmp.replace(path)
+    return centroids, backend, round(time.perf_counter() - t0, 2)
+
+
+def _share(m: dict, held) -> float | None:
+    """The share of held-out (layer, query head, query) triples that are long-range (they train and are scored)."""
+    if not held:
+        return None
+    total = sum(e.q.shape[0] * e.q.shape[1] * e.q.shape[2] for e in held)
+    return round(float(m["queries"].sum()) / max(total, 1), 4)
+
+
+def _metrics(layers: Sequence[int], probes: int, before: dict, after: dict, trained: bool) -> dict:
+    """Held-out metrics: means, per layer and per (layer, KV head)."""
+    cols = {"hit_centroids": after["hit_centroids"], "mass_centroids": after["mass_centroids"]}
+    if trained:
+        cols.update(kl_before=before["kl"], kl=after["kl"], hit_before=before["hit"], hit=after["hit"],
+                    mass=after["mass"])
+    w = after["queries"]
+
+    def mean(v, rows=slice(None)):  # weighted by each head's long-range queries
+        return round(float((v[rows] * w[rows]).sum() / w[rows].sum().clamp(min=1)), 4)
+
+    return {"probes": probes,
+            "mean": {k: mean(v) for k, v in cols.items()},
+            "per_layer": [{"layer": layer, **{k: mean(v, i) for k, v in cols.items()}}
+                          for i, layer in enumerate(layers)],
+            "per_head": {k: [[round(float(x), 4) for x in row] for row in v.tolist()] for k, v in cols.items()},
+            "queries_per_head": [[int(x) for x in row] for row in w.tolist()]}

@@ -1,0 +1,132 @@
+"""SAAP's two assignment functions: keys to their nearest centroid, queries through the query model (Q-model).
+
+Keys (§4 "Asymmetric assignment"): a key belongs to the one bucket whose (unit) centroid has the largest inner
+product with it: the assignment of faiss' spherical k-means (IndexFlatIP over normalised centroids), which does not
+depend on the key's norm.
+
+Queries (§6.1): an MLP per (layer, KV head), "two layers with an intermediate dimension of 1024, batch normalization
+and a ReLU": Linear(D, M) -> BatchNorm -> ReLU -> Linear(M, C), whose softmax is the query's distribution over the
+C buckets (f_q of eq. 1). A query head uses its KV head's model; "Batched queries" (§5) sums the group's
+distributions before the top-ℓ buckets are chosen. Without a Q-model (the paper's k-means baselines) a query scores
+each bucket by its inner product with the centroid (IVF's search side).
+
+`QueryModel` trains every (layer, KV head)'s MLP at once (parameters [L, H, ...], each head's an independent
+slice); its batch norm takes statistics over the queries a step trains on (a mask leaves the others out) and is
+folded into the first layer for inference (`folded`): the runtime runs Linear -> ReLU -> Linear.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+BN_EPS = 1e-5
+BN_MOMENTUM = 0.1  # torch's BatchNorm default
+
+
+class QueryModel(nn.Module):
+    """Every (layer, KV head)'s Q-model: x [L, H, n, D] -> bucket logits [L, H, n, C]."""
+
+    def __init__(self, layers: int, heads: int, d: int, hidden: int, clusters: int, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def uniform(*shape, fan_in):  # nn.Linear's default init, drawn from our generator
+            bound = 1 / math.sqrt(fan_in)
+            return nn.Parameter((torch.rand(*shape, generator=g) * 2 - 1) * bound)
+
+        self.w1, self.b1 = uniform(layers, heads, d, hidden, fan_in=d), uniform(layers, heads, hidden, fan_in=d)
+        self.gamma = nn.Parameter(torch.ones(layers, heads, hidden))
+        self.beta = nn.Parameter(torch.zeros(layers, heads, hidden))
+        self.w2 = uniform(layers, heads, hidden, clusters, fan_in=hidden)
+        self.b2 = uniform(layers, heads, clusters, fan_in=hidden)
+        self.register_buffer("running_mean", torch.zeros(layers, heads, hidden))
+        self.register_buffer("running_var", torch.ones(layers, heads, hidden))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [L, H, n, D]; mask bool [L, H, n]: the rows a training step's batch statistics come from (all when
+        None). In eval mode the running statistics are used, as the folded model does."""
+        h = x @ self.w1 + self.b1[:, :, None]
+        if self.training:
+            m = torch.ones(h.shape[:-1], dtype=torch.bool, device=h.device) if mask is None else mask
+            w = m.unsqueeze(-1).to(h.dtype)
+            n = w.sum(2, keepdim=True)  # [L, H, 1, 1]
+            mean = (h * w).sum(2, keepdim=True) / n.clamp(min=1)
+            var = ((h - mean).pow(2) * w).sum(2, keepdim=True) / n.clamp(min=1)
+            with torch.no_grad():  # heads with fewer than two rows this step keep their running statistics
+                upd = (n > 1).squeeze(-1).squeeze(-1).unsqueeze(-1)  # [L, H, 1]
+                unbiased = var.squeeze(2) * n.squeeze(2) / (n.squeeze(2) - 1).clamp(min=1)
+                self.running_mean.copy_(torch.where(upd, torch.lerp(self.running_mean, mean.squeeze(2),
+                                                                    BN_MOMENTUM), self.running_mean))
+                self.running_var.copy_(torch.where(upd, torch.lerp(self.running_var, unbiased, BN_MOMENTUM),
+                                                   self.running_var))
+        else:
+            mean, var = self.running_mean[:, :, None], self.running_var[:, :, None]
+        h = (h - mean) / torch.sqrt(var + BN_EPS) * self.gamma[:, :, None] + self.beta[:, :, None]
+        return torch.relu(h) @ self.w2 + self.b2[:, :, None]
+
+    @torch.no_grad()
+    def folded(self) -> dict[str, torch.Tensor]:
+        """The inference weights, batch norm folded into the first layer: relu(x @ w1 + b1) @ w2 + b2 equals the
+        eval-mode forward. fp32 on the CPU: w1 [L, H, D, M], b1 [L, H, M], w2 [L, H, M, C], b2 [L, H, C]."""
+        s = self.gamma / torch.sqrt(self.running_var + BN_EPS)
+        w1 = self.w1 * s[:, :, None]
+        b1 = (self.b1 - self.running_mean) * s + self.beta
+        return {k: v.detach().float().cpu().contiguous() for k, v in
+                (("w1", w1), ("b1", b1), ("w2", self.w2), ("b2", self.b2))}
+
+
+def model_probs(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor) -> torch.Tensor:
+    """The folded Q-model's bucket distribution softmax(relu(x w1 + b1) w2 + b2), fp32 [..., H, n, C] of queries
+    x [..., H, n, D] (H a multiple of the weights' Hkv: head h uses KV head h // (H // Hkv)'s model); weights
+    [..., Hkv, D, M], [..., Hkv, M], [..., Hkv, M, C], [..., Hkv, C] (leading dims broadcast with x's). The products
+    run in the weights' dtype (a decode step keeps them in the cache's: w2 is the largest tensor a step reads
+    after the keys), the softmax in fp32."""
+    Hkv = w1.shape[-3]
+    *lead, H, n, D = x.shape
+    xg = x.to(w1.dtype).reshape(*lead, Hkv, (H // Hkv) * n, D)  # a KV head's group, rows (g, i)
+    h = torch.relu(xg @ w1 + b1.unsqueeze(-2))
+    logits = (h @ w2 + b2.unsqueeze(-2)).float()
+    return torch.softmax(logits, dim=-1).reshape(*lead, H, n, -1)
+
+
+def centroid_scores(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Inner products fp32 [..., H, n, C] of x [..., H, n, D] with its KV head's centroids [..., Hkv, C, D] (H a
+    multiple of Hkv), computed in the centroids' dtype: the key assignment's scores, and the queries' without a
+    Q-model."""
+    Hkv = centroids.shape[-3]
+    *lead, H, n, D = x.shape
+    xg = x.to(centroids.dtype).reshape(*lead, Hkv, (H // Hkv) * n, D)
+    return (xg @ centroids.transpose(-1, -2)).float().reshape(*lead, H, n, -1)
+
+
+def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """The bucket of each key x [..., Hkv, n, D]: argmax of its inner products with the centroids [..., Hkv, C, D]
+    (in their dtype), int64 [..., Hkv, n]; in chunks of keys, so a long prefill never holds n x C scores."""
+    ct = centroids.transpose(-1, -2)
+    out = [(x[..., i : i + chunk, :].to(ct.dtype) @ ct).argmax(-1) for i in range(0, x.shape[-2], chunk)]
+    return torch.cat(out, dim=-1) if out else torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device)
+
+
+def pooled(scores: torch.Tensor, kv_heads: int, group: bool) -> torch.Tensor:
+    """Per query head scores [..., Hq, n, C] -> per selection head: the group's sum with `group` (§5 "Batched
+    queries"), else unchanged."""
+    if not group:
+        return scores
+    *lead, Hq, n, C = scores.shape
+    return scores.reshape(*lead, kv_heads, Hq // kv_heads, n, C).sum(-3)
+
+
+def random_index(num_layers: int, kv_heads: int, head_dim: int, clusters: int = 1024, hidden: int = 1024,
+                 query_model: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+    """An index of random unit centroids and an untrained Q-model for every layer (`index=` of the method): for speed
+    runs, whose timing does not depend on the weights, and for tests."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.nn.functional.normalize(torch.randn(num_layers, kv_heads, clusters, head_dim, generator=g), dim=-1)
+    out = {"centroids": c, "layers": torch.arange(num_layers)}
+    if query_model:
+        out.update(QueryModel(num_layers, kv_heads, head_dim, hidden, clusters, seed=seed).folded())
+    return out

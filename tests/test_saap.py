@@ -1,0 +1,369 @@
+"""SAAP: pre-RoPE keys, the growing inverted lists and their gather, the offline index (faiss k-means + the query
+model's KL), its artifact, and the method against dense attention."""
+
+import functools
+import json
+
+import pytest
+import torch
+
+import sparsekv.decode as decode
+from sparsekv.activations import dump_activations, load_activations
+from sparsekv.artifacts import ArtifactError, save_artifact
+from sparsekv.decode import generate
+from sparsekv.errors import SparseKVError
+from sparsekv.kernels.reference import bucket_gather_reference
+from sparsekv.methods import CacheShape, get_method
+from sparsekv.models import tiny_random, wire
+from sparsekv.rope import find_rotary, rope_tables, rotate_half
+from sparsekv.saap.fit import fit_index, index_keys
+from sparsekv.saap.kmeans import clusters_for, spherical_kmeans
+from sparsekv.saap.lists import admit, admit_at, new_lists, record, slot_bases
+from sparsekv.saap.model import QueryModel, assign, model_probs, random_index
+from sparsekv.selection import BudgetSplit
+from sparsekv.step import make_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def dump(tiny, tmp_path_factory):
+    tokens = torch.randint(0, 256, (5 * SEQ,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = tmp_path_factory.mktemp("saap") / "d"
+    return load_activations(dump_activations(tiny, tokens, out, seq_len=SEQ, queries_per_seq=48, seed=1,
+                                             dtype=torch.float32, source="random bytes"))
+
+
+@pytest.fixture(scope="module")
+def artifact(dump, tmp_path_factory):
+    root = tmp_path_factory.mktemp("saap-art")
+    path, report = fit_index(dump, root, clusters=16, hidden=32, iters=30, lr=1e-3, queries_per_step=48,
+                             heldout_queries=96)
+    return path, report
+
+
+# -- pre-RoPE keys ------------------------------------------------------------------------------------------------
+
+def test_dumped_pre_rope_keys_rotate_back_to_the_post_rope_ones(tiny, dump):
+    rotary = find_rotary(tiny.model)
+    d = dump.layer(1)
+    k_pre, k_post = d["k_pre"], d["k_post"]  # [Hkv, T, D]
+    pos = d["k_pos"].view(1, -1)
+    cos, sin = rope_tables(rotary, k_pre[None], pos)
+    again = k_pre * cos + rotate_half(k_pre) * sin  # HF's RoPE of the pre-RoPE keys
+    torch.testing.assert_close(again, k_post, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_hands_saap_the_projections_output(tiny, prompt_ids, monkeypatch):
+    """The pre-RoPE keys `append` receives (prefill and decode steps) are the k_proj outputs exactly (to fp32
+    rounding of the inverse rotation)."""
+    method = get_method("saap", budget=64, sink=1, window=8, index=random_index(2, 2, 20, clusters=8, hidden=16))
+    got, want = [], []
+    real = method.append
+    monkeypatch.setattr(method, "append", lambda st, k, v, k_pre, pos: (got.append((st.layer, k_pre)),
+                                                                         real(st, k, v, k_pre, pos)))
+    hooks = [layer.self_attn.k_proj.register_forward_hook(
+        lambda mod, args, out, i=i: want.append((i, out.view(*out.shape[:2], -1, 20).transpose(1, 2))))
+        for i, layer in enumerate(tiny.model.model.layers)]
+    try:
+        generate(tiny, prompt_ids[:, :40], method, 3, stop_on_eos=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(got) == len(want) == 2 * 3  # 2 layers x (prefill + 2 decode steps)
+    for (la, a), (lb, b) in zip(got, want):
+        assert la == lb
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# -- the inverted lists -------------------------------------------------------------------------------------------
+
+def _lists_by_hand(buckets: torch.Tensor, first: int, last: int, clusters: int):
+    """Each (row, head)'s CSR lists of positions [first, last), by loops: bucket c -> its positions in order."""
+    B, H, _ = buckets.shape
+    return [[[[p for p in range(first, last) if int(buckets[b, h, p]) == c] for c in range(clusters)]
+             for h in range(H)] for b in range(B)]
+
+
+def test_appending_key_by_key_equals_a_rebuilt_index():
+    """Chunks (prefill), then one key per decode step at device slots, give the lists a one-shot build gives: each
+    key's ordinal is its index in its bucket's list of the keys that left the window."""
+    B, H, C, n, sink, window = 2, 3, 5, 70, 1, 6
+    g = torch.Generator().manual_seed(0)
+    new = torch.randint(0, C, (B, H, n), generator=g)
+    new[:, 1] = 3  # one huge bucket (and four empty ones) in head 1
+    grown = new_lists(B, H, n, C, "cpu")
+    pos = 0
+    for size in (7, 1, 20):  # prefill chunks, host positions
+        record(grown[0], new[:, :, pos : pos + size], pos)
+        first = max(sink, pos - window)
+        admit(*grown, first, pos + size - window - first)
+        pos += size
+    while pos < n:  # decode steps: device write slots
+        slots = torch.full((B,), pos)
+        record(grown[0], new[:, :, pos : pos + 1], slots)
+        admit_at(*grown, slots - window, slots - window >= sink)
+        pos += 1
+    rebuilt = new_lists(B, H, n, C, "cpu")
+    record(rebuilt[0], new, 0)
+    admit(*rebuilt, sink, n - window - sink)
+    for a, b in zip(grown, rebuilt):
+        assert torch.equal(a, b)
+    buckets, ordinals, counts = grown
+    for b, heads in enumerate(_lists_by_hand(buckets, sink, n - window, C)):
+        for h, lists in enumerate(heads):
+            assert counts[b, h, :C].tolist() == [len(x) for x in lists] and counts[b, h, C] == 0
+            for lst in lists:
+                assert [int(ordinals[b, h, p]) for p in lst] == list(range(len(lst)))
+
+
+def _gather_by_hand(buckets, counts_lists, chosen, cap, lo, hi, row_lo=None, row_hi=None):
+    """The visited lists end to end in the chosen order, each bucket's whole list (positions outside the step's
+    region read as -1), cut at cap: the spec of bucket_gather, by loops over the lists."""
+    B, Hs, _ = chosen.shape
+    Hkv = len(counts_lists[0])
+    out = torch.full((B, Hs, cap), -1, dtype=torch.int64)
+    for b in range(B):
+        r_lo = lo if row_lo is None else max(lo, int(row_lo[b]))
+        r_hi = hi if row_hi is None else min(hi, int(row_hi[b]))
+        for hs in range(Hs):
+            flat = [p for c in chosen[b, hs].tolist() for p in counts_lists[b][hs // (Hs // Hkv)][c]]
+            for s, p in enumerate(flat[:cap]):
+                out[b, hs, s] = p if r_lo <= p < r_hi else -1
+    return out
+
+
+CASES = {"balanced": dict(huge=False, cap=200, group=True), "one huge bucket": dict(huge=True, cap=37, group=True),
+         "per query head": dict(huge=False, cap=64, group=False), "cap cuts": dict(huge=False, cap=9, group=True)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", [False, True], ids=["host region", "row regions"])
+def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows):
+    """Visited lists laid out by the kernel (Triton, interpreted on the CPU) = the torch reference = the lists by
+    hand: empty buckets among the chosen, one bucket holding every key, per-query-head choices, a cap that cuts."""
+    from sparsekv.kernels.saap import bucket_gather
+
+    huge, cap, group = CASES[case]["huge"], CASES[case]["cap"], CASES[case]["group"]
+    B, Hkv, G, C, n = 2, 2, 3, 8, 300
+    g = torch.Generator().manual_seed(1)
+    new = torch.randint(0, C - 2, (B, Hkv, n), generator=g)  # buckets C-2, C-1: always empty
+    if huge:
+        new[:, 0] = 4
+    buckets, ordinals, counts = new_lists(B, Hkv, n + 20, C, "cpu")
+    record(buckets, new, 0)
+    admit(buckets, ordinals, counts, 1, n - 1 - 9)  # sink 1, window 9
+    Hs = Hkv if group else Hkv * G
+    chosen = torch.stack([torch.randperm(C, generator=g)[:4] for _ in range(B * Hs)]).view(B, Hs, 4)
+    chosen[0, 0] = torch.tensor([C - 1, 4, C - 2, 0])  # empty buckets first and between
+    per_sel = counts if group else counts.repeat_interleave(G, dim=1)
+    bases = slot_bases(per_sel, chosen)
+    lo, hi = 1, n - 9
+    row_lo, row_hi = (torch.tensor([3, 1]), torch.tensor([n - 9, 150])) if rows else (None, None)
+    ref = bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, row_lo, row_hi)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: the GPU, else the interpreter
+    on = [None if t is None else t.to(dev) for t in (buckets, ordinals, bases, row_lo, row_hi)]
+    got = bucket_gather(on[0], on[1], on[2], cap, lo, hi, on[3], on[4])
+    assert torch.equal(got.cpu(), ref)
+    hand = _gather_by_hand(buckets, _lists_by_hand(buckets, 1, n - 9, C), chosen, cap, lo, hi, row_lo, row_hi)
+    assert torch.equal(ref, hand)
+    assert (ref >= 0).any()
+
+
+# -- the offline stage --------------------------------------------------------------------------------------------
+
+def test_faiss_cpu_kmeans_finds_the_clusters():
+    g = torch.Generator().manual_seed(0)
+    centers = torch.nn.functional.normalize(torch.randn(6, 16, generator=g), dim=-1)
+    which = torch.arange(600) % 6
+    keys = (centers[which] * torch.rand(600, 1, generator=g).add(1) + 0.05 * torch.randn(600, 16, generator=g))
+    cents, backend = spherical_kmeans(keys.view(1, 1, 600, 16), 12, iters=10, seed=0)
+    assert backend == "faiss-cpu" and cents.shape == (1, 1, 12, 16)
+    torch.testing.assert_close(cents.norm(dim=-1), torch.ones(1, 1, 12))
+    got = assign(keys.view(1, 1, 600, 16), cents)[0, 0]
+    for c in range(12):  # no bucket mixes two true clusters (random init: a cluster may take two buckets)
+        assert len(set(which[got == c].tolist())) <= 1
+    assert clusters_for(1024, 39 * 10) == (10, clusters_for(1024, 390)[1]) and "capped" in clusters_for(1024, 390)[1]
+    with pytest.raises(SparseKVError, match="too few"):
+        clusters_for(8, 20)
+
+
+def test_folded_query_model_equals_the_batch_normed_one():
+    m = QueryModel(2, 3, 8, 16, 5, seed=1)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 40, 8, generator=g)
+    for _ in range(3):  # running statistics away from their initial values
+        m(x * 3 + 1, torch.rand(2, 3, 40, generator=g) > 0.3)
+    m.eval()
+    want = torch.softmax(m(x), -1)
+    w = m.folded()
+    got = model_probs(x.view(2, 3, 40, 8), w["w1"], w["b1"], w["w2"], w["b2"])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_query_model_kl_falls_on_a_clustered_problem():
+    """Keys around 8 directions, each query after one of them: the Q-model learns which bucket holds its
+    attention; the held-out KL falls and the visited bucket holds the heaviest long-range key far more often."""
+    from test_train_hash import ClusteredDump
+
+    tensors, config, report = index_keys(ClusteredDump(seqs=8), clusters=8, hidden=32, iters=120, lr=3e-3,
+                                         queries_per_step=16, holdout=0.25, eval_every=60, probes=1)
+    m = report["metrics"]["mean"]
+    assert m["kl"] < 0.5 * m["kl_before"]
+    assert m["hit"] > 0.8 and m["hit"] > m["hit_before"] + 0.3
+    curve = report["train"]["heldout_curve"]
+    assert [s for s, _ in curve] == [60, 120] and curve[-1][1]["kl"] <= curve[0][1]["kl"]
+    assert tensors["index"]["centroids"].shape == (2, 1, 8, 16) and tensors["query_model"]["w2"].shape == (2, 1, 32, 8)
+    assert config["pairs"] == {"gap": 32, "min_range": 16, "sink": 1, "causal": False, "defaults_from_seq_len": 128}
+
+
+def test_resume_reuses_the_centroids_and_ends_at_the_same_weights(dump, tmp_path):
+    opts = dict(clusters=8, hidden=16, iters=12, lr=1e-3, queries_per_step=16, heldout_queries=16,
+                checkpoint_every=5)
+    whole, _, _ = index_keys(dump, work=tmp_path / "a", **opts)
+
+    def stop(done, total):
+        if total == 12 and done == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        index_keys(dump, work=tmp_path / "b", progress=stop, **opts)
+    assert (tmp_path / "b" / "kmeans.pt").exists()
+    resumed, _, report = index_keys(dump, work=tmp_path / "b", resume=True, **opts)
+    assert report["train"]["resumed_from"] == 7 and report["kmeans"]["seconds"] == 0.0
+    for part in ("index", "query_model"):
+        for k, v in whole[part].items():
+            assert torch.equal(v, resumed[part][k]), (part, k)
+
+
+def test_artifact_round_trip_and_report(artifact, dump):
+    path, report = artifact
+    m = get_method("saap", budget=100, sink=1, window=16, artifact=str(path))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["method"] == "saap" and manifest["config"]["space"] == "pre"
+    assert m.centroids.shape == (2, 2, 16, 20) and m.probes == 1 and m.model is not None
+    assert manifest["config"]["kmeans"]["backend"] == "faiss-cpu"
+    assert report["clusters"] == {"asked": 16, "used": 16, "note": None}
+    b = report["buckets"]
+    assert sum(b["histogram"]["buckets"]) == 2 * 2 * 16 and b["imbalance"]["mean"] >= 1.0
+    assert {"kl", "kl_before", "hit", "mass", "hit_centroids"} <= set(report["metrics"]["mean"])
+    assert not (path.parent / ".train").exists() and not list(path.parent.glob(".train-*"))  # checkpoints gone
+
+
+def test_artifact_refusals(artifact, tmp_path, prompt_ids):
+    path, _ = artifact
+    other = wire(tiny_random(seed=1))
+    with pytest.raises(ArtifactError, match="fitted on another model") as e:
+        generate(other, prompt_ids, get_method("saap", budget=64, sink=1, window=8, artifact=str(path)), 2)
+    assert "\n" not in str(e.value)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    manifest = json.loads((path / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 99}))
+    with pytest.raises(ArtifactError, match="schema_version 99"):
+        get_method("saap", budget=64, artifact=str(bad))
+    wrong = save_artifact(tmp_path, method="saap", model_fingerprint={"name": "m"}, config={},
+                          tensors={"index": {"layers": torch.arange(2)}})
+    with pytest.raises(SparseKVError, match="has no centroids"):
+        get_method("saap", budget=64, artifact=str(wrong))
+    with pytest.raises(SparseKVError, match="probes must be"):
+        get_method("saap", budget=64, artifact=str(path), probes=17)
+    with pytest.raises(SparseKVError, match="needs its index"):
+        get_method("saap", budget=64)
+
+
+# -- the method ---------------------------------------------------------------------------------------------------
+
+def _every_bucket(method):
+    """`method` with a cap that holds every key of the sparse region (k = hi - lo) and every bucket visited."""
+    method.probes = method.clusters
+    split = method.split
+    method.split = lambda state: (lambda s: s if s.dense else BudgetSplit(
+        s.sink, s.window, s.hi - s.lo, False, s.length, s.span, s.lengths, s.extent))(split(state))
+    return method
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+@pytest.mark.parametrize("pooling", ["group", "head"])
+def test_saap_visiting_every_bucket_equals_dense(tiny, prompt_ids, mode, pooling, artifact, monkeypatch):
+    path, _ = artifact
+    dense = generate(tiny, prompt_ids, get_method("dense"), 6, stop_on_eos=False, keep_logits=True)
+    if mode == "static":
+        monkeypatch.setattr(decode, "make_step", functools.partial(make_step, mode=mode))
+    m = _every_bucket(get_method("saap", budget=64, sink=1, window=8, pooling=pooling, artifact=str(path)))
+    got = generate(tiny, prompt_ids, m, 6, stop_on_eos=False, keep_logits=True)
+    assert got.tokens == dense.tokens and got.stats["selectivity"] == pytest.approx(1.0)
+    for a, b in zip(got.logits, dense.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter test: on a GPU the graph tests cover it")
+def test_saap_through_the_kernels(tiny, prompt_ids, monkeypatch):
+    """The Triton path (bucket gather + sparse decode, interpreted) of a replayed step equals dense with every
+    bucket visited, and the eager transformers call at ℓ = 2."""
+    monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    ids = prompt_ids[:, :72]
+    index = random_index(2, 2, 20, clusters=8, hidden=16)
+    dense = generate(tiny, ids, get_method("dense"), 3, stop_on_eos=False, keep_logits=True)
+    ref = generate(tiny, ids, get_method("saap", budget=40, sink=1, window=8, index=index, probes=2), 3,
+                   stop_on_eos=False, keep_logits=True)
+    monkeypatch.setattr(decode, "make_step", functools.partial(make_step, mode="static"))
+    full = generate(tiny, ids, _every_bucket(get_method("saap", budget=40, sink=1, window=8, index=index)), 3,
+                    stop_on_eos=False, keep_logits=True)
+    got = generate(tiny, ids, get_method("saap", budget=40, sink=1, window=8, index=index, probes=2), 3,
+                   stop_on_eos=False, keep_logits=True)
+    for a, b, c, d in zip(full.logits, dense.logits, got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c, d, atol=1e-4, rtol=1e-4)
+    assert got.stats["mean_selected"] < 40 - 9
+
+
+def test_select_reads_only_the_visited_buckets_within_the_cap(tiny):
+    """One layer's selection by hand: the positions are those of the top-ℓ buckets of the group's summed Q-model
+    distributions, best bucket first, cut at the cap."""
+    index = random_index(1, 2, 20, clusters=6, hidden=16, seed=3)
+    m = get_method("saap", budget=30, sink=1, window=4, index=index, probes=2)
+    st = m.new_state(0, CacheShape(1, 2, 6, 20, 80, torch.float32, torch.device("cpu")))
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 2, 80, 20, generator=g)
+    st.keys, st.values, st.length = k, k, 80
+    m.append(st, k, k, k, 0)
+    q = torch.randn(1, 6, 1, 20, generator=g)
+    sel = m.select(st, q, q)
+    scores = model_probs(q, *(index[n][0] for n in ("w1", "b1", "w2", "b2")))[:, :, 0].view(1, 2, 3, 6).sum(2)
+    top = scores.topk(2, dim=-1).indices
+    buckets = assign(k, index["centroids"][0])
+    for h in range(2):
+        want = [p for c in top[0, h].tolist() for p in range(1, 76) if int(buckets[0, h, p]) == c][:25]
+        assert [p for p in sel.indices[0, h].tolist() if p >= 0] == want
+    assert (sel.sink, sel.window, sel.indices.shape[-1]) == (1, 4, 25)
+
+
+def test_ragged_batch_equals_each_prompt_alone(tiny):
+    from sparsekv.decode import generate_batch
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (1, n), generator=g) for n in (200, 90, 143)]
+    index = random_index(2, 2, 20, clusters=8, hidden=16)
+    opts = dict(budget=80, sink=1, window=8, index=index, probes=2)
+    alone = [generate(tiny, p, get_method("saap", **opts), 4, stop_on_eos=False, keep_logits=True) for p in prompts]
+    together = generate_batch(tiny, prompts, get_method("saap", **opts), 4, stop_on_eos=False, keep_logits=True)
+    for a, b in zip(together, alone):
+        for x, y in zip(a.logits, b.logits, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_selection_is_graph_safe_shapes(tiny):
+    """The selection's shape depends on the budget alone, not on how many keys the visited buckets hold."""
+    index = random_index(1, 2, 20, clusters=4, hidden=8)
+    m = get_method("saap", budget=50, sink=1, window=4, index=index, probes=1)
+    shapes = set()
+    for n in (60, 90, 120):
+        st = m.new_state(0, CacheShape(1, 2, 6, 20, 128, torch.float32, torch.device("cpu")))
+        k = torch.randn(1, 2, n, 20, generator=torch.Generator().manual_seed(n))
+        st.keys, st.values, st.length = k, k, n
+        m.append(st, k, k, k, 0)
+        shapes.add(tuple(m.select(st, torch.randn(1, 6, 1, 20), torch.randn(1, 6, 1, 20)).indices.shape))
+    assert shapes == {(1, 2, 45)}
