@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# BENCHMARKS.md "Spotlight and SAAP on the default model" and "Speed of Spotlight and SAAP": Debian's jargon file cut
+# into a training part (its first 70 %, at a paragraph break) and a held-out part; train-hash and index on a dump of
+# the training part; then IoU on a dump of the held-out part, RULER NIAH (held-out part as the haystack), passkey and
+# perplexity on the default model, and the per-layer and whole-model speed at Llama-3-8B's shape. Needs a CUDA GPU
+# (and faiss-cpu for index); the held-out recall runs on the CPU.
+set -euo pipefail
+usage="usage: $(basename "$0") [OUT_DIR] [FLAG...]
+  OUT_DIR  folder for the JSON (default: the folder of this script)
+  FLAG...  appended to the eval commands
+  env: SPARSEKV (default: sparsekv), TAG device tag in the file names (default: h100),
+       TEXT natural text (default: Debian's jargon file, package jargon-text),
+       WORK folder for the texts, dumps and artifacts (default: a new temporary folder),
+       PARTS what to run (default: 'spotlight saap speed')"
+case "${1:-}" in -h|--help) echo "$usage"; exit 0 ;; esac
+out="$(cd "$(dirname "$0")" && pwd)"
+if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
+mkdir -p "$out"
+sk="${SPARSEKV:-sparsekv}"
+tag="${TAG:-h100}"
+text="${TEXT:-/usr/share/doc/jargon-text/jargon.txt.gz}"
+parts="${PARTS:-spotlight saap speed}"
+[[ -f "$text" ]] || { echo "error: no text at $text (apt install jargon-text, or set TEXT)" >&2; exit 2; }
+if [[ -n "${WORK:-}" ]]; then work="$WORK"; else work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT; fi
+
+python3 - "$text" "$work" <<'PY'
+import gzip, sys
+src, work = sys.argv[1], sys.argv[2]
+t = (gzip.open if src.endswith(".gz") else open)(src, "rt", encoding="utf-8", errors="replace").read()
+cut = t.index("\n\n", int(len(t) * 0.7))
+open(f"{work}/train.txt", "w").write(t[:cut])
+open(f"{work}/heldout.txt", "w").write(t[cut:])
+PY
+niah=(--task ruler --subtasks niah --seq 4096,8192 --n 13 --haystack-file "$work/heldout.txt" --batch 8)
+
+if [[ " $parts " == *" spotlight "* ]]; then
+    $sk dump --text-file "$work/train.txt" --tokens 65536 --seq 8192 --queries 256 --out "$work/acts"
+    $sk train-hash --acts "$work/acts" --out "$work/art" --json "$out/train-hash-smollm2-jargon-$tag.json"
+    spot=$(echo "$work"/art/*/spotlight/v1)
+    $sk dump --text-file "$work/heldout.txt" --tokens 16384 --seq 8192 --queries 32 --device cpu --out "$work/held"
+    $sk eval --task recall --acts "$work/held" --method oracle,lsh,spotlight --artifact "$spot" --budget 0.02 \
+        --dense-layers 0,1 --device cpu --json "$out/recall-spotlight-smollm2-jargon-heldout-cpu.json"
+    $sk eval "${niah[@]}" --method dense,oracle,spotlight --artifact "$spot" --budget 0.02 --dense-layers 0,1 \
+        --json "$out/niah-spotlight-smollm2-$tag.json" "$@"
+    $sk eval --task passkey --seq 4096,8192 --n 100 --batch 8 --method dense,oracle,spotlight --artifact "$spot" \
+        --budget 0.02 --dense-layers 0,1 --json "$out/passkey-spotlight-smollm2-$tag.json" "$@"
+    $sk eval --task ppl --text-file "$work/heldout.txt" --seq 4096 --n 4 --method dense,oracle,spotlight \
+        --artifact "$spot" --budget 0.02 --dense-layers 0,1 --json "$out/ppl-spotlight-smollm2-$tag.json" "$@"
+fi
+if [[ " $parts " == *" saap "* ]]; then
+    $sk dump --text-file "$work/train.txt" --tokens 65536 --seq 8192 --queries 1024 --out "$work/acts1k"
+    $sk index --acts "$work/acts1k" --out "$work/qm" --gap 64 --min-range 32 --iters 1200 --eval-every 400 \
+        --json "$out/index-saap-smollm2-jargon-$tag.json"
+    $sk index --acts "$work/acts1k" --out "$work/km" --no-query-model \
+        --json "$out/index-saap-kmeans-smollm2-jargon-$tag.json"
+    small=(--budget 0.06 --sink 1 --window 63 --dense-layers 0)
+    $sk eval "${niah[@]}" --method oracle "${small[@]}" --json "$work/niah-oracle.json" "$@"
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/qm/*/saap/v1)" "${small[@]}" \
+        --json "$work/niah-saap.json" "$@"
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/km/*/saap/v1)" "${small[@]}" \
+        --json "$work/niah-saap-kmeans.json" "$@"
+    # one file, the oracle first: the same prompts, so the saap cells get paired differences to it
+    python3 - "$out/niah-saap-smollm2-$tag.json" "$work"/niah-{oracle,saap,saap-kmeans}.json <<'PY'
+import json, sys
+from sparsekv.eval.intervals import annotate
+rows = [r for f in sys.argv[2:] for r in (lambda d: d if isinstance(d, list) else [d])(json.load(open(f)))]
+json.dump(annotate(rows), open(sys.argv[1], "w"), indent=1)
+PY
+fi
+if [[ " $parts " == *" speed "* ]]; then
+    $sk bench --require-gpu --seq 131072 --shape llama3-8b --method dense,lsh,spotlight --budget 2048 \
+        --json "$out/step-$tag-llama3-8b-131k-spotlight.json"
+    $sk bench --require-gpu --seq 1048576 --shape one-head --method spotlight,lsh --budget 0.02 \
+        --json "$out/step-$tag-one-head-1m-spotlight.json"
+    $sk bench --require-gpu --seq 131072 --shape llama3-8b --method dense,saap --budget 6554 \
+        --json "$out/step-$tag-llama3-8b-131k-saap.json"
+    $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,lsh,spotlight --budget 2048 \
+        --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k-spotlight.json"
+    $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,saap --budget 6554 \
+        --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k-saap.json"
+fi
