@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import _mlp_hash_shapes
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 
@@ -92,24 +94,15 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, n, G, Hkv, start,
 
 
 def _check(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
-    """(Hkv, M, nbits), after the checks of shapes, dtypes and devices (host metadata only)."""
-    if x.dim() != 4:
-        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
+    """(Hkv, M, nbits), after the reference's shape checks and the kernel's dtypes and devices (host metadata)."""
     for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2)):
         if t.dtype not in _FLOATS:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    if w1.dim() != 3 or b1.dim() != 2 or w2.dim() != 3:
-        raise ValueError(f"expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]; got {tuple(w1.shape)}, "
-                         f"{tuple(b1.shape)}, {tuple(w2.shape)}")
-    Hkv, D, M = w1.shape
-    nbits = w2.shape[2]
-    if D != x.shape[3] or tuple(b1.shape) != (Hkv, M) or tuple(w2.shape[:2]) != (Hkv, M) or nbits < 1 or M < 1:
-        raise ValueError(f"weights w1 {tuple(w1.shape)}, b1 {tuple(b1.shape)}, w2 {tuple(w2.shape)} do not fit "
-                         f"x {tuple(x.shape)} (expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits])")
-    if Hkv == 0 or x.shape[1] % Hkv:
-        raise ValueError(f"{x.shape[1]} heads of x are not a multiple of the weights' {Hkv} KV heads")
+    Hkv, M, nbits = _mlp_hash_shapes(x, w1, b1, w2)
+    if M < 1:
+        raise ValueError(f"w1 {tuple(w1.shape)} has no intermediate units")
     return Hkv, M, nbits
 
 

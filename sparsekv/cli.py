@@ -45,6 +45,13 @@ DtypeOpt = Annotated[str, typer.Option(callback=_kept(validate.dtype, "--dtype")
                                        help="auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16")]
 DenseLayersOpt = Annotated[str, typer.Option(callback=_kept(lambda v, o: validate.csv(v, int, o, unique=True),
                                                              "--dense-layers"), help="layers kept dense, e.g. 0,1")]
+# the offline stages'
+DumpModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
+                                                     "(optional: the dump records its model)")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the interrupted run of the same command from its "
+                                         "last checkpoint")]
+CheckpointEveryOpt = Annotated[int, typer.Option(help="checkpoint every N iterations (0: only at the end and on an "
+                                                 "interrupt)")]
 
 
 def _with_method_options(command):
@@ -413,8 +420,7 @@ def calibrate(
     holdout: Annotated[float, typer.Option(help="share of them held out for the before/after report")] = 0.25,
     seed: Annotated[int, typer.Option()] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
-                                                 "(optional: the dump records its model)")] = None,
+    model: DumpModelOpt = None,
     device: Annotated[str, typer.Option(callback=_kept(validate.device, "--device"),
                                         help="where --model loads (the fit runs on the CPU): cpu, cuda, cuda:N or "
                                              "auto")] = "auto",
@@ -492,16 +498,13 @@ def train_hash(
     holdout: Annotated[float, typer.Option(help="share of the dump's sequences held out for the IoU report")] = 0.1,
     heldout_queries: Annotated[int, typer.Option(help="held-out queries the IoU is measured on")] = 256,
     eval_every: Annotated[int, typer.Option(help="held-out IoU every N iterations (0: iters / 8)")] = 0,
-    checkpoint_every: Annotated[int, typer.Option(help="checkpoint every N iterations (0: only at the end and on "
-                                                  "an interrupt)")] = 512,
+    checkpoint_every: CheckpointEveryOpt = 512,
     linear: Annotated[bool, typer.Option("--linear/--no-linear", help="also train the linear hash with the same "
                                          "loss, for the report (the paper's Table 1)")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="continue the interrupted run of the same command from "
-                                         "its last checkpoint")] = False,
+    resume: ResumeOpt = False,
     seed: Annotated[int, typer.Option()] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
-                                                 "(optional: the dump records its model)")] = None,
+    model: DumpModelOpt = None,
     device: DeviceOpt = "auto",
 ):
     """Train Spotlight Attention's MLP hashes (one per layer and KV head, the paper's ranking loss) on a dump and
@@ -570,14 +573,11 @@ def index(
     holdout: Annotated[float, typer.Option(help="share of the dump's sequences held out for the report")] = 0.1,
     heldout_queries: Annotated[int, typer.Option(help="held-out queries the report is measured on")] = 1000,
     eval_every: Annotated[int, typer.Option(help="held-out KL every N iterations (0: iters / 8)")] = 0,
-    checkpoint_every: Annotated[int, typer.Option(help="checkpoint every N iterations (0: only at the end and on "
-                                                  "an interrupt)")] = 1000,
-    resume: Annotated[bool, typer.Option("--resume", help="continue the interrupted run of the same command from "
-                                         "its last checkpoint")] = False,
+    checkpoint_every: CheckpointEveryOpt = 1000,
+    resume: ResumeOpt = False,
     seed: Annotated[int, typer.Option()] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
-                                                 "(optional: the dump records its model)")] = None,
+    model: DumpModelOpt = None,
     device: DeviceOpt = "auto",
 ):
     """Fit SAAP's index to a dump: spherical k-means of the keys per layer and KV head (faiss), then the query model

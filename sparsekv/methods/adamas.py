@@ -126,14 +126,6 @@ class Adamas(Method):
                                                "thresholds")
         self._bound = None  # the model the artifact was checked against
 
-    # -- runtime hook --------------------------------------------------------------------------------------------
-    def bind(self, lm) -> None:
-        """Refuse an artifact fitted on another model (one line from the artifact store naming what differs)."""
-        if self.artifact is None or self._bound is lm:
-            return
-        load_artifact(self.artifact, method=self.name, model_fingerprint=lm.fingerprint(), verify=False)
-        self._bound = lm
-
     # -- Algorithm 1 -----------------------------------------------------------------------------------------------
     def new_state(self, layer: int, shape: CacheShape) -> AdamasState:
         if self.hadamard:

@@ -123,8 +123,18 @@ class Method:
         return None
 
     # -- online ----------------------------------------------------------------------------------------------
+    artifact: str | None = None  # the fitted artifact's version folder, for methods that load one
+    _bound: Any = None  # the model that artifact was checked against
+
     def bind(self, lm: Any) -> None:
-        """Called by the runtime with the LoadedModel before use: a method with an artifact checks it fits."""
+        """Called by the runtime with the LoadedModel before use: an artifact fitted on another model is refused
+        (one line from the artifact store naming what differs), once per model."""
+        if self.artifact is None or self._bound is lm:
+            return
+        from ..artifacts import load_artifact
+
+        load_artifact(self.artifact, method=self.name, model_fingerprint=lm.fingerprint(), verify=False)
+        self._bound = lm
 
     def new_state(self, layer: int, shape: CacheShape) -> LayerState:
         return LayerState()

@@ -117,7 +117,6 @@ class Saap(Method):
         self.probes = max(1, round(C / 32)) if probes is None else int(probes)
         if not 1 <= self.probes <= C:
             raise SparseKVError(f"saap: probes must be in [1, {C}] (the index has {C} buckets), got {probes}")
-        self._bound = None
 
     @classmethod
     def stand_in(cls, budget: float, num_layers: int, kv_heads: int, head_dim: int, **options: Any) -> "Saap":
@@ -128,13 +127,6 @@ class Saap(Method):
         from ..saap.model import random_index
 
         return cls(budget=budget, index=random_index(num_layers, kv_heads, head_dim), **options)
-
-    def bind(self, lm) -> None:
-        """Refuse an index fitted on another model (one line from the artifact store naming what differs)."""
-        if self._bound is lm or self.artifact is None:
-            return
-        load_artifact(self.artifact, method=self.name, model_fingerprint=lm.fingerprint(), verify=False)
-        self._bound = lm
 
     def new_state(self, layer: int, shape: CacheShape) -> SaapState:
         buckets, ordinals, counts = new_lists(shape.batch, shape.kv_heads, shape.max_len, self.clusters,

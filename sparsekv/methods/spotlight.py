@@ -77,7 +77,6 @@ class Spotlight(HashSelect):
         self.nbits = int(self.w2.shape[-1])
         self.trained_cfg = cfg
         self.layers = {int(x): i for i, x in enumerate(hashes["layers"].tolist())}
-        self._bound = None
 
     @classmethod
     def stand_in(cls, budget: float, num_layers: int, kv_heads: int, head_dim: int, **options: Any) -> "Spotlight":
@@ -85,13 +84,6 @@ class Spotlight(HashSelect):
         if options.get("artifact") is not None:
             return cls(budget=budget, **options)
         return cls(budget=budget, hashes=untrained_hashes(num_layers, kv_heads, head_dim), **options)
-
-    def bind(self, lm) -> None:
-        """Refuse hashes trained on another model (one line from the artifact store naming what differs)."""
-        if self._bound is lm or self.artifact is None:
-            return
-        load_artifact(self.artifact, method=self.name, model_fingerprint=lm.fingerprint(), verify=False)
-        self._bound = lm
 
     def new_state(self, layer: int, shape: CacheShape) -> SpotlightState:
         words = -(-self.nbits // 16)
