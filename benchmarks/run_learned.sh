@@ -46,6 +46,9 @@ if [[ " $parts " == *" spotlight "* ]]; then
         --budget 0.02 --dense-layers 0,1 --json "$out/passkey-spotlight-smollm2-$tag.json" "$@"
     $sk eval --task ppl --text-file "$work/heldout.txt" --seq 4096 --n 4 --method dense,oracle,spotlight \
         --artifact "$spot" --budget 0.02 --dense-layers 0,1 --json "$out/ppl-spotlight-smollm2-$tag.json" "$@"
+    $sk eval --task ppl --text-file "$work/heldout.txt" --seq 4096 --n 4 --method dense,oracle,spotlight \
+        --artifact "$spot" --budget 0.05,0.1,0.2 --dense-layers 0,1 \
+        --json "$out/ppl-budgets-spotlight-smollm2-$tag.json" "$@"
 fi
 if [[ " $parts " == *" saap "* ]]; then
     $sk dump --text-file "$work/train.txt" --tokens 65536 --seq 8192 --queries 1024 --out "$work/acts1k"
