@@ -3,7 +3,8 @@ chosen buckets into a fixed-size output, in CSR order (the chosen lists end to e
 
 Each program takes one chunk of positions of one (batch row, selection head): it reads the bucket and the list
 ordinal of each key (8 bytes a key, against the 2·D·2 bytes of its K/V in 16 bits), looks up its bucket's first
-slot in the step's small table `bases` (-1: not visited) and stores the position at base + ordinal. Slots are
+slot in the step's small table `bases` (-1: not visited) and stores the position at base + ordinal (ordinals are
+negative in newest-first lists, whose bases are then the buckets' last slot + 1: sparsekv/saap/lists.py). Slots are
 unique (a bucket's keys have distinct ordinals), so there are no atomics and no ordering between programs; slots
 never written keep the -1 the output is filled with. Grid sizes and the output's shape depend on the host bounds
 only, and the rows' own bounds are read on the device: the launch can be captured in a CUDA graph.

@@ -565,8 +565,9 @@ def index(
                                                "(default: min(2047, seq / 4); the paper: its 2047-key window)")] = None,
     min_range: Annotated[Optional[int], typer.Option(help="a query trains when its top-1 key is at least this far "
                                                      "away (default: min(1024, gap / 2); the paper: 1024)")] = None,
-    causal: Annotated[bool, typer.Option("--causal/--no-causal", help="only earlier keys in the targets (the paper "
-                                         "trains without a causal mask)")] = False,
+    causal: Annotated[bool, typer.Option("--causal/--no-causal", help="targets over the earlier keys only, which is "
+                                         "all a decode step can read (default); --no-causal: the paper's two-way "
+                                         "pairs")] = True,
     sink: Annotated[int, typer.Option(help="first keys of each sequence left out of k-means and the pairs")] = 1,
     probes: Annotated[Optional[int], typer.Option(help="buckets visited (ℓ) for the report's hit rate (default: "
                                                   "clusters / 32)")] = None,

@@ -20,6 +20,7 @@ from sparsekv.saap.fit import fit_index, index_keys
 from sparsekv.saap.kmeans import clusters_for, spherical_kmeans
 from sparsekv.saap.lists import admit, admit_at, new_lists, record, slot_bases
 from sparsekv.saap.model import QueryModel, assign, model_probs, random_index
+from sparsekv.saap.objective import LongRange
 from sparsekv.selection import BudgetSplit
 from sparsekv.step import make_step
 
@@ -87,9 +88,10 @@ def _lists_by_hand(buckets: torch.Tensor, first: int, last: int, clusters: int):
              for h in range(H)] for b in range(B)]
 
 
-def test_appending_key_by_key_equals_a_rebuilt_index():
+@pytest.mark.parametrize("newest_first", [False, True], ids=["oldest first", "newest first"])
+def test_appending_key_by_key_equals_a_rebuilt_index(newest_first):
     """Chunks (prefill), then one key per decode step at device slots, give the lists a one-shot build gives: each
-    key's ordinal is its index in its bucket's list of the keys that left the window."""
+    key's ordinal is its index in its bucket's list of the keys that left the window (-1 - index newest first)."""
     B, H, C, n, sink, window = 2, 3, 5, 70, 1, 6
     g = torch.Generator().manual_seed(0)
     new = torch.randint(0, C, (B, H, n), generator=g)
@@ -99,16 +101,16 @@ def test_appending_key_by_key_equals_a_rebuilt_index():
     for size in (7, 1, 20):  # prefill chunks, host positions
         record(grown[0], new[:, :, pos : pos + size], pos)
         first = max(sink, pos - window)
-        admit(*grown, first, pos + size - window - first)
+        admit(*grown, first, pos + size - window - first, newest_first)
         pos += size
     while pos < n:  # decode steps: device write slots
         slots = torch.full((B,), pos)
         record(grown[0], new[:, :, pos : pos + 1], slots)
-        admit_at(*grown, slots - window, slots - window >= sink)
+        admit_at(*grown, slots - window, slots - window >= sink, newest_first)
         pos += 1
     rebuilt = new_lists(B, H, n, C, "cpu")
     record(rebuilt[0], new, 0)
-    admit(*rebuilt, sink, n - window - sink)
+    admit(*rebuilt, sink, n - window - sink, newest_first)
     for a, b in zip(grown, rebuilt):
         assert torch.equal(a, b)
     buckets, ordinals, counts = grown
@@ -116,12 +118,14 @@ def test_appending_key_by_key_equals_a_rebuilt_index():
         for h, lists in enumerate(heads):
             assert counts[b, h, :C].tolist() == [len(x) for x in lists] and counts[b, h, C] == 0
             for lst in lists:
-                assert [int(ordinals[b, h, p]) for p in lst] == list(range(len(lst)))
+                want = [-1 - i for i in range(len(lst))] if newest_first else list(range(len(lst)))
+                assert [int(ordinals[b, h, p]) for p in lst] == want
 
 
-def _gather_by_hand(buckets, counts_lists, chosen, cap, lo, hi, row_lo=None, row_hi=None):
+def _gather_by_hand(buckets, counts_lists, chosen, cap, lo, hi, row_lo=None, row_hi=None, newest_first=False):
     """The visited lists end to end in the chosen order, each bucket's whole list (positions outside the step's
-    region read as -1), cut at cap: the spec of bucket_gather, by loops over the lists."""
+    region read as -1; newest key first with `newest_first`), cut at cap: the spec of bucket_gather, by loops over
+    the lists."""
     B, Hs, _ = chosen.shape
     Hkv = len(counts_lists[0])
     out = torch.full((B, Hs, cap), -1, dtype=torch.int64)
@@ -129,7 +133,8 @@ def _gather_by_hand(buckets, counts_lists, chosen, cap, lo, hi, row_lo=None, row
         r_lo = lo if row_lo is None else max(lo, int(row_lo[b]))
         r_hi = hi if row_hi is None else min(hi, int(row_hi[b]))
         for hs in range(Hs):
-            flat = [p for c in chosen[b, hs].tolist() for p in counts_lists[b][hs // (Hs // Hkv)][c]]
+            lists = counts_lists[b][hs // (Hs // Hkv)]
+            flat = [p for c in chosen[b, hs].tolist() for p in (lists[c][::-1] if newest_first else lists[c])]
             for s, p in enumerate(flat[:cap]):
                 out[b, hs, s] = p if r_lo <= p < r_hi else -1
     return out
@@ -141,9 +146,11 @@ CASES = {"balanced": dict(huge=False, cap=200, group=True), "one huge bucket": d
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("rows", [False, True], ids=["host region", "row regions"])
-def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows):
+@pytest.mark.parametrize("newest_first", [False, True], ids=["oldest first", "newest first"])
+def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows, newest_first):
     """Visited lists laid out by the kernel (Triton, interpreted on the CPU) = the torch reference = the lists by
-    hand: empty buckets among the chosen, one bucket holding every key, per-query-head choices, a cap that cuts."""
+    hand: empty buckets among the chosen, one bucket holding every key, per-query-head choices, a cap that cuts (and
+    newest first, the cap keeps the newest keys of the bucket it cuts)."""
     from sparsekv.kernels.saap import bucket_gather
 
     huge, cap, group = CASES[case]["huge"], CASES[case]["cap"], CASES[case]["group"]
@@ -154,12 +161,12 @@ def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows):
         new[:, 0] = 4
     buckets, ordinals, counts = new_lists(B, Hkv, n + 20, C, "cpu")
     record(buckets, new, 0)
-    admit(buckets, ordinals, counts, 1, n - 1 - 9)  # sink 1, window 9
+    admit(buckets, ordinals, counts, 1, n - 1 - 9, newest_first)  # sink 1, window 9
     Hs = Hkv if group else Hkv * G
     chosen = torch.stack([torch.randperm(C, generator=g)[:4] for _ in range(B * Hs)]).view(B, Hs, 4)
     chosen[0, 0] = torch.tensor([C - 1, 4, C - 2, 0])  # empty buckets first and between
     per_sel = counts if group else counts.repeat_interleave(G, dim=1)
-    bases = slot_bases(per_sel, chosen)
+    bases = slot_bases(per_sel, chosen, newest_first)
     lo, hi = 1, n - 9
     row_lo, row_hi = (torch.tensor([3, 1]), torch.tensor([n - 9, 150])) if rows else (None, None)
     ref = bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, row_lo, row_hi)
@@ -167,7 +174,8 @@ def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows):
     on = [None if t is None else t.to(dev) for t in (buckets, ordinals, bases, row_lo, row_hi)]
     got = bucket_gather(on[0], on[1], on[2], cap, lo, hi, on[3], on[4])
     assert torch.equal(got.cpu(), ref)
-    hand = _gather_by_hand(buckets, _lists_by_hand(buckets, 1, n - 9, C), chosen, cap, lo, hi, row_lo, row_hi)
+    hand = _gather_by_hand(buckets, _lists_by_hand(buckets, 1, n - 9, C), chosen, cap, lo, hi, row_lo, row_hi,
+                           newest_first)
     assert torch.equal(ref, hand)
     assert (ref >= 0).any()
 
@@ -216,7 +224,22 @@ def test_query_model_kl_falls_on_a_clustered_problem():
     curve = report["train"]["heldout_curve"]
     assert [s for s, _ in curve] == [60, 120] and curve[-1][1]["kl"] <= curve[0][1]["kl"]
     assert tensors["index"]["centroids"].shape == (2, 1, 8, 16) and tensors["query_model"]["w2"].shape == (2, 1, 32, 8)
-    assert config["pairs"] == {"gap": 32, "min_range": 16, "sink": 1, "causal": False, "defaults_from_seq_len": 128}
+    assert config["pairs"] == {"gap": 32, "min_range": 16, "sink": 1, "causal": True, "defaults_from_seq_len": 128}
+
+
+def test_targets_pair_earlier_keys_by_default_and_the_report_scores_causal_pairs(dump):
+    """A decode step reads only the keys before its query: by default a query's target pairs it with earlier keys
+    only (the paper's two-way pairs with causal=False), and the held-out report scores causal pairs either way."""
+    q_pos, j = torch.tensor([10, 50, 90]), torch.arange(100)
+    near, far = LongRange(gap=8, min_range=4).masks(q_pos, 100)
+    assert not (near & (j > q_pos[:, None])).any() and far[2, 1] and not far[0, 30]
+    assert LongRange(gap=8, min_range=4, causal=False).masks(q_pos, 100)[1][0, 30]
+    opts = dict(clusters=8, query_model=False, heldout_queries=96)
+    _, causal, report = index_keys(dump, **opts)
+    _, both, report_both = index_keys(dump, causal=False, **opts)
+    assert causal["pairs"]["causal"] and not both["pairs"]["causal"]
+    assert report["heldout"]["pairs"] == report_both["heldout"]["pairs"] == "causal"
+    assert report_both["metrics"]["mean"] == report["metrics"]["mean"]  # the centroids scored on the same pairs
 
 
 def test_resume_reuses_the_centroids_and_ends_at_the_same_weights(dump, tmp_path):
@@ -320,11 +343,13 @@ def test_saap_through_the_kernels(tiny, prompt_ids, monkeypatch):
     assert got.stats["mean_selected"] < 40 - 9
 
 
-def test_select_reads_only_the_visited_buckets_within_the_cap(tiny):
+@pytest.mark.parametrize("cap_keep", [None, "newest", "oldest"])
+def test_select_reads_only_the_visited_buckets_within_the_cap(tiny, cap_keep):
     """One layer's selection by hand: the positions are those of the top-ℓ buckets of the group's summed Q-model
-    distributions, best bucket first, cut at the cap."""
+    distributions, best bucket first, each bucket's keys newest first (by default; oldest first on request), cut at
+    the cap: the cap keeps the newest keys of the bucket it cuts."""
     index = random_index(1, 2, 20, clusters=6, hidden=16, seed=3)
-    m = get_method("saap", budget=30, sink=1, window=4, index=index, probes=2)
+    m = get_method("saap", budget=20, sink=1, window=4, index=index, probes=2, cap_keep=cap_keep)
     st = m.new_state(0, CacheShape(1, 2, 6, 20, 80, torch.float32, torch.device("cpu")))
     g = torch.Generator().manual_seed(4)
     k = torch.randn(1, 2, 80, 20, generator=g)
@@ -335,10 +360,14 @@ def test_select_reads_only_the_visited_buckets_within_the_cap(tiny):
     scores = model_probs(q, *(index[n][0] for n in ("w1", "b1", "w2", "b2")))[:, :, 0].view(1, 2, 3, 6).sum(2)
     top = scores.topk(2, dim=-1).indices
     buckets = assign(k, index["centroids"][0])
+    keys = range(1, 76) if cap_keep == "oldest" else range(75, 0, -1)
     for h in range(2):
-        want = [p for c in top[0, h].tolist() for p in range(1, 76) if int(buckets[0, h, p]) == c][:25]
+        lists = [[p for p in keys if int(buckets[0, h, p]) == c] for c in top[0, h].tolist()]
+        assert len(lists[0]) < 15 < len(lists[0]) + len(lists[1])  # the second bucket straddles the cap
+        want = [p for lst in lists for p in lst][:15]
         assert [p for p in sel.indices[0, h].tolist() if p >= 0] == want
-    assert (sel.sink, sel.window, sel.indices.shape[-1]) == (1, 4, 25)
+    assert (sel.sink, sel.window, sel.indices.shape[-1]) == (1, 4, 15)
+    assert m.config()["cap_keep"] == (cap_keep or "newest")
 
 
 def test_ragged_batch_equals_each_prompt_alone(tiny):

@@ -10,15 +10,23 @@ pre-RoPE keys (spherical k-means, faiss) and the query model (Q-model, an MLP D 
 - `select` runs the Q-model on each query head's pre-RoPE query, sums the group's bucket distributions (§5
   "Batched queries"; pooling "head" instead picks per query head, the paper's "Independent" of Appendix E.3), takes
   the top-ℓ buckets and lays their lists end to end, best bucket first (`ops.bucket_gather`, the CSR order of the
-  paper's Appendix F); the shared sparse-decode kernel attends them with the dense part.
+  paper's Appendix F; within a list newest key first, see "Budget and cap"); the shared sparse-decode kernel
+  attends them with the dense part.
 
 Budget and cap. The number of keys in the visited buckets varies from step to step; a captured decode step needs a
 fixed shape, so the sparse part is a fixed-size list of `budget - sink - window` positions (the budget counts every
 attended key, as for every method), padded with -1 (read as nothing). When the visited buckets hold more keys than
 that, the lists of the lowest-ranked buckets are cut: keys are kept bucket by bucket in the Q-model's order, and
-within the bucket that straddles the cap its oldest keys first. A budget at or above the visible context reads
-every key (dense). With ℓ = C and a cap that holds every key, the step equals dense attention. On a layer with a
-sliding window, keys that left the window stay in their lists and hold slots of the cap (read as nothing).
+within the bucket that straddles the cap its newest keys first (`cap_keep="newest"`, the default; the paper reads
+every key of the ℓ buckets and has no cap, so it says nothing of this). Attention decays with distance on average,
+so the newest keys of a bucket the cap must cut hold more of the query's mass than its oldest: on held-out dumps of
+SmolLM2-135M (an index of 256 buckets on 5 layers, budget 0.06, sink 1, window 63; `eval --task recall`), keeping
+the newest rather than the oldest raised the attention-mass recall from 0.814 to 0.839 and the IoU with the oracle
+from 0.365 to 0.408 on RULER NIAH prompts, where the heavy keys sit in large buckets, and left natural text about
+unchanged (0.870 -> 0.872). `cap_keep="oldest"` restores position order (each list oldest first, as the paper's CSR
+holds it). A budget at or above the visible context reads every key (dense). With ℓ = C and a cap that holds every
+key, the step equals dense attention. On a layer with a sliding window, keys that left the window stay in their
+lists and hold slots of the cap (read as nothing; being the oldest, newest-first cuts them first).
 
 Defaults and where they come from:
 - sink 1, window 2047: "the first token and the most recent 2047 tokens are attended exhaustively" (§3, "1+2047").
@@ -50,6 +58,7 @@ from .base import CacheShape, LayerState, Method, register
 
 MODEL_KEYS = ("w1", "b1", "w2", "b2")
 SPACES = ("pre", "post")
+CAP_KEEPS = ("newest", "oldest")
 
 
 @dataclass
@@ -74,12 +83,18 @@ class Saap(Method):
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, artifact: str | Path | None = None,
                  index: dict[str, torch.Tensor] | None = None, probes: int | None = None,
-                 query_model: bool | None = None, space: str | None = None, **options: Any):
+                 query_model: bool | None = None, space: str | None = None, cap_keep: str | None = None,
+                 **options: Any):
         """`artifact`: an `index` version folder. `index` instead: its tensors (centroids [L, Hkv, C, D], layers [L],
         and the folded Q-model w1, b1, w2, b2 when there is one; `random_index` for speed runs and tests), whose
         keys and queries are pre-RoPE unless `space="post"`. `probes`: buckets visited per query (ℓ). `query_model`
-        False: score buckets by the centroids (the paper's k-means baseline) even when the index has a Q-model."""
+        False: score buckets by the centroids (the paper's k-means baseline) even when the index has a Q-model.
+        `cap_keep`: which keys of the bucket that straddles the cap are read, "newest" (default) or "oldest"."""
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
+        self.cap_keep = "newest" if cap_keep is None else cap_keep
+        if self.cap_keep not in CAP_KEEPS:
+            raise SparseKVError(f"saap: cap_keep must be 'newest' or 'oldest', got {cap_keep!r}")
+        self._newest = self.cap_keep == "newest"
         if (artifact is None) == (index is None):
             raise SparseKVError("saap needs its index: --artifact ARTIFACTS/<model>/saap/vN (from `sparsekv index`)"
                                 if artifact is None else "saap: give an artifact or an index, not both")
@@ -163,10 +178,11 @@ class Saap(Method):
         record(state.buckets, assign(x, state.centroids), pos)
         if isinstance(pos, int):  # keys [sink, pos - window) are in the lists already
             first = max(self.sink, pos - self.window)
-            admit(state.buckets, state.ordinals, state.counts, first, pos + k.shape[2] - self.window - first)
+            admit(state.buckets, state.ordinals, state.counts, first, pos + k.shape[2] - self.window - first,
+                  self._newest)
         else:
             p = pos.long() - self.window
-            admit_at(state.buckets, state.ordinals, state.counts, p, p >= self.sink)
+            admit_at(state.buckets, state.ordinals, state.counts, p, p >= self.sink, self._newest)
 
     def select(self, state: SaapState, q: torch.Tensor, q_pre_rope) -> Selection:
         split = self.split(state)
@@ -178,8 +194,8 @@ class Saap(Method):
         if chosen.shape[1] != counts.shape[1]:  # pooling "head": each query head reads its KV head's lists
             counts = counts.repeat_interleave(chosen.shape[1] // counts.shape[1], dim=1)
         row_lo, row_hi = self._row_bounds(split, x.device)
-        pos = ops.bucket_gather(state.buckets, state.ordinals, slot_bases(counts, chosen), split.k, split.lo,
-                                split.hi, row_lo, row_hi)
+        pos = ops.bucket_gather(state.buckets, state.ordinals, slot_bases(counts, chosen, self._newest), split.k,
+                                split.lo, split.hi, row_lo, row_hi)
         return split.selection(indices=pos)
 
     def bucket_scores(self, state: SaapState, x: torch.Tensor) -> torch.Tensor:
@@ -200,5 +216,5 @@ class Saap(Method):
     def config(self) -> dict[str, Any]:
         cfg = super().config()
         cfg.update(artifact=self.artifact, probes=self.probes, clusters=self.clusters, space=self.space,
-                   query_model=self.model is not None)
+                   query_model=self.model is not None, cap_keep=self.cap_keep)
         return cfg

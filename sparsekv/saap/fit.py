@@ -7,8 +7,10 @@
 2. Every (layer, KV head)'s query model trained at once (sparsekv/saap/objective.py: eq. 1's KL against each
    long-range query's attention per bucket) through the shared loop (sparsekv/offline/train.py): Adam at lr 1e-5,
    constant, 40k iterations (Appendix A), checkpoints and resume. `query_model=False` skips it (the "K-means"
-   baselines: queries ranked by the centroids).
-3. The report: bucket sizes of held-out keys (histogram, imbalance factor), and on held-out long-range queries the
+   baselines: queries ranked by the centroids). The targets pair each query with earlier keys only (`causal`,
+   default True; the paper's two-way pairs with causal=False: objective.py says why and what it costs).
+3. The report (on causal pairs, whatever the training pairs: what a decode step can read): bucket sizes of
+   held-out keys (histogram, imbalance factor), and on held-out long-range queries the
    Q-model's KL and, at ℓ probes, the share of queries whose heaviest long-range key is in a visited bucket and the
    share of their long-range attention the visited buckets hold, beside the centroid baseline's.
 
@@ -51,7 +53,7 @@ def default_ranges(seq_len: int) -> tuple[int, int]:
 def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, clusters: int = 1024,
                kmeans_iters: int = 10, space: str = "pre", query_model: bool = True, hidden: int = 1024,
                iters: int = 40000, lr: float = 1e-5, queries_per_step: int = 1000, gap: int | None = None,
-               min_range: int | None = None, causal: bool = False, sink: int = 1, probes: int | None = None,
+               min_range: int | None = None, causal: bool = True, sink: int = 1, probes: int | None = None,
                holdout: float = 0.1, heldout_queries: int = 1000, eval_every: int = 0, checkpoint_every: int = 1000,
                seed: int = 0, device: str | torch.device = "cpu", work: str | Path | None = None,
                resume: bool = False, progress: Any = None) -> tuple[dict, dict, dict]:
@@ -96,7 +98,11 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
 
     # 2. the Q-model
     pairs = LongRange(gap, min_range, sink, causal)
-    obj = SaapObjective(data, [acts.patterns()[i] for i in layers], buckets, C, pairs, queries_per_step, seed)
+    patterns = [acts.patterns()[i] for i in layers]
+    obj = SaapObjective(data, patterns, buckets, C, pairs, queries_per_step, seed)
+    # the report scores what a decode step can read: causal pairs, also when the model trains on two-way ones
+    scored = obj if causal else SaapObjective(data, patterns, buckets, C, LongRange(gap, min_range, sink, True),
+                                              queries_per_step, seed)
     held = data.held_out(heldout_queries, seed)
     config = {"clusters": C, "clusters_asked": clusters, "space": space, "query_model": query_model,
               "hidden": hidden, "layers": list(layers), "probes_reported": probes,
@@ -108,23 +114,23 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
               "train": {"iters": iters, "lr": lr, "optimizer": "adam", "betas": [0.9, 0.999], "schedule": "constant",
                         "queries_per_step": queries_per_step, "seed": seed, "holdout": holdout}}
     model = QueryModel(L, Hkv, D, hidden, C, seed=seed).to(device) if query_model else None
-    before = obj.evaluate(held, model, centroids, probes)
+    before = scored.evaluate(held, model, centroids, probes)
     report: dict[str, Any] = {"clusters": {"asked": clusters, "used": C, "note": note},
                               "kmeans": {"backend": backend, "seconds": km_seconds},
                               "heldout": {"sequences": len(held), "queries": sum(e.q.shape[2] for e in held),
-                                          "from_fit_sequences": not data.held_seqs,
+                                          "from_fit_sequences": not data.held_seqs, "pairs": "causal",
                                           "long_range_share": _share(before, held)}}
     after = before
     if model is not None:
         def evaluate() -> dict:
-            m = obj.evaluate(held, model, centroids, probes)
+            m = scored.evaluate(held, model, centroids, probes)
             return {k: round(float(v.mean()), 4) for k, v in m.items() if k != "queries"}
 
         run = train(model, lambda step: obj.loss(model, step), cfg, checkpoint_dir=work, resume=resume,
                     identity={"stage": "index", "config": config, "data": data_record(acts)}, evaluate=evaluate,
                     progress=progress, label="index", show="kl")
         report["train"] = run.report()
-        after = obj.evaluate(held, model, centroids, probes)
+        after = scored.evaluate(held, model, centroids, probes)
     report["metrics"] = _metrics(layers, probes, before, after, model is not None)
     held_rows = torch.cat([torch.arange(data.offsets[s] + sink, data.offsets[s] + data.lengths[s])
                            for s in (data.held_seqs or data.fit_seqs)])

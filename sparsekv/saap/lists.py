@@ -14,6 +14,12 @@ prefill chunk takes n keys at once.
 The CSR of the visited buckets is what a step reads: `slot_bases` gives each chosen bucket's first slot in a
 fixed-size output (the chosen lists end to end, best bucket first) and the key at position p lands in slot
 base[bucket[p]] + ordinals[p] (`ops.bucket_gather`): the keys the paper's kernel reads through Idx, in its order.
+
+Newest first (`newest_first=True`, the same flag to admit, admit_at and slot_bases): each list is laid out newest
+key first, so that an output cut at its last slot drops the OLDEST keys of the bucket it cuts. The ordinals are then
+stored as -1 - index (a key's index in its list does not change as the list grows, so nothing is rewritten), and a
+chosen bucket's base is its first slot plus its length: slot = start + n - 1 - index, in [start, start + n) as
+before. The gather (kernel and reference) is unchanged: slot = base + ordinal, kept while base >= 0 and slot < cap.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ def record(buckets: torch.Tensor, new: torch.Tensor, pos: int | torch.Tensor) ->
         buckets[torch.arange(new.shape[0], device=new.device), :, pos.long()] = new[:, :, 0].to(buckets.dtype)
 
 
-def admit(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, start: int, n: int) -> None:
-    """Append the keys at positions [start, start + n) (buckets recorded) to their lists, in position order."""
+def admit(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, start: int, n: int,
+          newest_first: bool = False) -> None:
+    """Append the keys at positions [start, start + n) (buckets recorded) to their lists, in position order
+    (`newest_first`: ordinals stored as -1 - index, module docstring)."""
     if n <= 0:
         return
     new = buckets[:, :, start : start + n].long()
@@ -48,27 +56,29 @@ def admit(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, s
     first = (per.cumsum(-1) - per).gather(-1, srt)  # where each sorted key's bucket starts in the sorted chunk
     rank = torch.arange(n, device=new.device) - first
     ordinal = torch.empty_like(rank).scatter_(-1, order, counts.gather(-1, srt) + rank)
-    ordinals[:, :, start : start + n] = ordinal.to(ordinals.dtype)
+    ordinals[:, :, start : start + n] = (-1 - ordinal if newest_first else ordinal).to(ordinals.dtype)
     counts += per
 
 
 def admit_at(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, pos: torch.Tensor,
-             valid: torch.Tensor) -> None:
+             valid: torch.Tensor, newest_first: bool = False) -> None:
     """One key per batch row, at device positions pos [B] (rows where `valid` [B] is False take none): a decode
     step's, graph-capturable."""
     rows = torch.arange(pos.shape[0], device=pos.device)
     p = pos.long().clamp(min=0)
     b = buckets[rows, :, p].long()  # [B, H]
     ok = valid.view(-1, 1)
-    ordinals[rows, :, p] = torch.where(ok, counts.gather(-1, b[:, :, None])[:, :, 0], ordinals[rows, :, p])
+    index = counts.gather(-1, b[:, :, None])[:, :, 0]
+    ordinals[rows, :, p] = torch.where(ok, -1 - index if newest_first else index, ordinals[rows, :, p])
     counts.scatter_add_(-1, b[:, :, None], ok.to(counts.dtype).expand_as(b)[:, :, None].contiguous())
 
 
-def slot_bases(counts: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def slot_bases(counts: torch.Tensor, chosen: torch.Tensor, newest_first: bool = False) -> torch.Tensor:
     """counts [B, Hs, C + 1] (the lists' lengths, per selection head) and the chosen buckets [B, Hs, l] (best
     first) -> int32 [B, Hs, C + 1]: each chosen bucket's first slot when the chosen lists are laid end to end in
-    that order, -1 for the others (and for the sentinel C)."""
+    that order (`newest_first`: its first slot plus its length, for ordinals stored as -1 - index), -1 for the
+    others (and for the sentinel C)."""
     cnt = counts.gather(-1, chosen)
-    starts = cnt.cumsum(-1) - cnt
+    ends = cnt.cumsum(-1)
     base = torch.full_like(counts, -1)
-    return base.scatter_(-1, chosen, starts.to(base.dtype))
+    return base.scatter_(-1, chosen, (ends if newest_first else ends - cnt).to(base.dtype))
