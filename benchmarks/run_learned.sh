@@ -52,18 +52,21 @@ if [[ " $parts " == *" spotlight "* ]]; then
 fi
 if [[ " $parts " == *" saap "* ]]; then
     $sk dump --text-file "$work/train.txt" --tokens 65536 --seq 8192 --queries 1024 --out "$work/acts1k"
-    $sk index --acts "$work/acts1k" --out "$work/qm" --gap 64 --min-range 32 --iters 1200 --eval-every 400 \
-        --json "$out/index-saap-smollm2-jargon-$tag.json"
+    fit=(--acts "$work/acts1k" --gap 64 --min-range 32 --iters 1200 --eval-every 400)
+    $sk index "${fit[@]}" --out "$work/qm" --no-causal --json "$out/index-saap-smollm2-jargon-$tag.json"
+    $sk index "${fit[@]}" --out "$work/qmc" --json "$out/index-saap-causal-smollm2-jargon-$tag.json"
     $sk index --acts "$work/acts1k" --out "$work/km" --no-query-model \
         --json "$out/index-saap-kmeans-smollm2-jargon-$tag.json"
     small=(--budget 0.06 --sink 1 --window 63 --dense-layers 0)
     $sk eval "${niah[@]}" --method oracle "${small[@]}" --json "$work/niah-oracle.json" "$@"
-    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/qm/*/saap/v1)" "${small[@]}" \
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/qm/*/saap/v1)" "${small[@]}" --cap-keep oldest \
         --json "$work/niah-saap.json" "$@"
-    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/km/*/saap/v1)" "${small[@]}" \
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/km/*/saap/v1)" "${small[@]}" --cap-keep oldest \
         --json "$work/niah-saap-kmeans.json" "$@"
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/qmc/*/saap/v1)" "${small[@]}" \
+        --json "$work/niah-saap-causal.json" "$@"
     # one file, the oracle first: the same prompts, so the saap cells get paired differences to it
-    python3 - "$out/niah-saap-smollm2-$tag.json" "$work"/niah-{oracle,saap,saap-kmeans}.json <<'PY'
+    python3 - "$out/niah-saap-smollm2-$tag.json" "$work"/niah-{oracle,saap,saap-kmeans,saap-causal}.json <<'PY'
 import json, sys
 from sparsekv.eval.intervals import annotate
 rows = [r for f in sys.argv[2:] for r in (lambda d: d if isinstance(d, list) else [d])(json.load(open(f)))]

@@ -40,6 +40,8 @@ class MethodOptions:
     query_model: bool | None = _option("saap: rank buckets with the index's query model (the paper) or, with "
                                        "--no-query-model, by the query's inner product with the centroids (its "
                                        "k-means baseline)", ("--query-model/--no-query-model",))
+    cap_keep: str | None = _option("saap: of the bucket the budget cuts, read its newest keys (default) or its "
+                                   "oldest")
 
     @classmethod
     def of(cls, options: "MethodOptions | dict | None") -> "MethodOptions":
