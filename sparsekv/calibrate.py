@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from .activations import Activations
-from .artifacts import save_artifact
+from .offline.stage import save_stage
 from .errors import SparseKVError
 from .progress import Ticker
 from .methods.adamas import CODE_DISTANCES, FIXED_THRESHOLDS, hadamard_for
@@ -196,14 +196,11 @@ def save_calibration(root: str | Path, acts: Activations, thresholds: torch.Tens
     config = {"per": per, "bits": bits, "hadamard": hadamard, "distance": distance, "budget": budget,
               "holdout": holdout, "seed": seed, "space": "orthonormal Hadamard of post-RoPE q/k" if hadamard
               else "post-RoPE q/k (no transform)", "code": "number of thresholds strictly below the value"}
-    data = {"source": acts.data.get("source", ""), "tokens": acts.tokens, "seed": acts.data.get("seed"),
-            "queries": acts.queries, "dump": str(acts.path), "tokens_sha256": acts.data.get("tokens_sha256")}
     query = thresholds if query_thresholds is None else query_thresholds
     if query.shape != thresholds.shape:
         raise SparseKVError(f"query thresholds of shape {list(query.shape)} for keys' of {list(thresholds.shape)}")
     tensors = {"thresholds": thresholds.float().contiguous(), "query_thresholds": query.float().contiguous()}
-    return save_artifact(root, method="adamas", model_fingerprint=acts.manifest["model"], config=config,
-                         tensors={"thresholds": tensors}, data=data, report=report, version=version)
+    return save_stage(root, acts, "adamas", {"thresholds": tensors}, config, report, version=version)
 
 
 # -- data ----------------------------------------------------------------------------------------------------------
