@@ -21,8 +21,9 @@ Shapes: any D, M, nbits (blocks are padded to powers of two >= 16 and masked; pa
 reference's). Graph capture: `_into` allocates nothing and reads nothing on the host; with device slots the grid
 depends only on shapes.
 
-GPU performance: not measured (written without a GPU). The default tiles were chosen from sm_90 compiles (ptxas -v)
-at D = M = nbits = 128 to avoid register spills and keep shared memory <= 128 KB: BLOCK_M 64 rows with 8 warps
+Speed: part of spotlight's decode step (benchmarks/BENCHMARKS.md, "Speed of Spotlight and SAAP"). The default
+tiles were chosen from sm_90 compiles (ptxas -v) at D = M = nbits = 128 to avoid register spills and keep shared
+memory <= 128 KB: BLOCK_M 64 rows with 8 warps
 (16 rows, 4 warps below 64 rows: a decode step), BLOCK_K 64 intermediate units for 16-bit weights and 32 for fp32
 ones (fp32 tiles take twice the shared memory), BLOCK_N min(128, next_pow2(nbits)); 4 warps at 64 rows spill.
 

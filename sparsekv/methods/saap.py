@@ -19,11 +19,9 @@ attended key, as for every method), padded with -1 (read as nothing). When the v
 that, the lists of the lowest-ranked buckets are cut: keys are kept bucket by bucket in the Q-model's order, and
 within the bucket that straddles the cap its newest keys first (`cap_keep="newest"`, the default; the paper reads
 every key of the ℓ buckets and has no cap, so it says nothing of this). Attention decays with distance on average,
-so the newest keys of a bucket the cap must cut hold more of the query's mass than its oldest: on held-out dumps of
-SmolLM2-135M (an index of 256 buckets on 5 layers, budget 0.06, sink 1, window 63; `eval --task recall`), keeping
-the newest rather than the oldest raised the attention-mass recall from 0.814 to 0.839 and the IoU with the oracle
-from 0.365 to 0.408 on RULER NIAH prompts, where the heavy keys sit in large buckets, and left natural text about
-unchanged (0.870 -> 0.872). `cap_keep="oldest"` restores position order (each list oldest first, as the paper's CSR
+so the newest keys of a bucket the cap must cut hold more of the query's mass than its oldest; on RULER NIAH prompts,
+where the heavy keys sit in large buckets, keeping the newest read more of the exact attention (`eval --task recall`).
+`cap_keep="oldest"` restores position order (each list oldest first, as the paper's CSR
 holds it). A budget at or above the visible context reads every key (dense). With ℓ = C and a cap that holds every
 key, the step equals dense attention. On a layer with a sliding window, keys that left the window stay in their
 lists and hold slots of the cap (read as nothing; being the oldest, newest-first cuts them first).

@@ -10,12 +10,10 @@ softcapping) per query head, over the key pairs the paper trains on, renormalise
   (Appendix A);
 - causal by default, earlier keys only: a decode step can only read keys before its query. This departs from the
   paper, which trains without a causal mask ("using causal masking in the training batches" is among the variants
-  that "did not yield consistent improvements", §6.5); `causal=False` gives its pairs, both ways. Measured on
-  SmolLM2-135M (held-out dump, gap 64): in the two-way target 76-99 % of a query's long-range attention falls on
-  keys after it (75-99.8 % of the time its heaviest key is a later one), so a Q-model fitted to it learns where keys
-  a decode never sees would be; its held-out causal hit rate was 0.51 against 0.71 for a causally fitted one (0.74
-  for the centroids), and its attention-mass recall (`eval --task recall`, 256 buckets on 5 layers, budget 0.06,
-  sink 1, window 63) 0.784 against 0.870 (0.874 for the centroids); on RULER NIAH prompts 0.744 against 0.814;
+  that "did not yield consistent improvements", §6.5); `causal=False` gives its pairs, both ways. On SmolLM2-135M
+  most of a query's two-way long-range target lies on keys after it, so a Q-model fitted to it learns where keys a
+  decode never reads would be, and ranks earlier keys' buckets below the centroids; fitted causally it ranks them as
+  well as the centroids (the held-out report, which always scores causal pairs, shows both);
 - long-range queries: "queries for which the nearest key in the prompt is more than 1024 tokens away" (Appendix A;
   §6.1 "the top-1 matching key"): a query (per layer and query head) trains only if the key of its largest logit,
   among all the keys it may pair with, sits at least `min_range` positions away.
