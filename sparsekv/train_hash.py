@@ -47,7 +47,7 @@ from .activations import Activations
 from .errors import SparseKVError
 from .offline import targets
 from .offline.data import DumpExamples, Example
-from .offline.stage import checkpoint_dir, data_record, fit_layers, save_stage
+from .offline.stage import data_record, fit_and_save, fit_layers
 from .offline.train import TrainConfig, train
 from .progress import Ticker
 
@@ -270,13 +270,14 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
 
 def fit_hashes(acts: Activations, root: str | Path, *, resume: bool = False, version: str | None = None,
                progress: Any = None, **options: Any) -> tuple[Path, dict]:
-    """train_hashes with its checkpoints in a hidden folder under `root` (named by the run's options and dump, so
-    `resume` finds it), then the artifact written under `root` and the checkpoints removed. Returns (path, report)."""
-    identity = {"stage": "train-hash", "options": {k: v for k, v in sorted(options.items()) if k != "device"},
-                "data": data_record(acts)}
-    work = checkpoint_dir(root, acts, METHOD, identity)
-    tensors, config, report = train_hashes(acts, work=work, resume=resume, progress=progress, **options)
-    return save_stage(root, acts, METHOD, {"hash": tensors}, config, report, version=version, work=work), report
+    """train_hashes from dump to artifact (sparsekv.offline.stage.fit_and_save: checkpoints under `root`, `resume`,
+    the artifact written and the checkpoints removed). Returns (path, report)."""
+    def fit(acts, **kw):
+        tensors, config, report = train_hashes(acts, **kw)
+        return {"hash": tensors}, config, report
+
+    return fit_and_save(acts, root, METHOD, "train-hash", fit, resume=resume, version=version, progress=progress,
+                        **options)
 
 
 def _lsh_planes(layers: Sequence[int], kv_heads: int, d: int, nbits: int, seed: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ..activations import Activations
 from ..artifacts import save_artifact, slugify
@@ -50,3 +50,17 @@ def save_stage(root: str | Path, acts: Activations, method: str, tensors: dict, 
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+def fit_and_save(acts: Activations, root: str | Path, method: str, stage: str, fit: Callable[..., tuple], *,
+                 resume: bool = False, version: str | None = None, progress: Any = None, **options: Any
+                 ) -> tuple[Path, dict]:
+    """A learned stage from dump to artifact: `fit(acts, work=..., resume=..., progress=..., **options)` -> (tensors
+    by file stem, config, report) runs with its checkpoints in a hidden folder under `root`, named by the stage's
+    options and dump (so `resume` finds the run the same command started), then the artifact is written under
+    `root` and the checkpoints removed. Returns (path, report)."""
+    identity = {"stage": stage, "options": {k: v for k, v in sorted(options.items()) if k != "device"},
+                "data": data_record(acts)}
+    work = checkpoint_dir(root, acts, method, identity)
+    tensors, config, report = fit(acts, work=work, resume=resume, progress=progress, **options)
+    return save_stage(root, acts, method, tensors, config, report, version=version, work=work), report

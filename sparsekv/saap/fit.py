@@ -33,7 +33,7 @@ import torch
 from ..activations import Activations
 from ..errors import SparseKVError
 from ..offline.data import DumpExamples
-from ..offline.stage import checkpoint_dir, data_record, fit_layers, save_stage
+from ..offline.stage import data_record, fit_and_save, fit_layers
 from ..offline.train import TrainConfig, train
 from ..progress import Ticker
 from .kmeans import clusters_for, spherical_kmeans
@@ -146,14 +146,10 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
 
 def fit_index(acts: Activations, root: str | Path, *, resume: bool = False, version: str | None = None,
               progress: Any = None, **options: Any) -> tuple[Path, dict]:
-    """index_keys with its checkpoints in a hidden folder under `root` (named by the run's options and dump, so
-    `resume` finds it), then the artifact (method "saap") written under `root` and the checkpoints removed.
-    Returns (path, report)."""
-    identity = {"stage": "index", "options": {k: v for k, v in sorted(options.items()) if k != "device"},
-                "data": data_record(acts)}
-    work = checkpoint_dir(root, acts, METHOD, identity)
-    tensors, config, report = index_keys(acts, work=work, resume=resume, progress=progress, **options)
-    return save_stage(root, acts, METHOD, tensors, config, report, version=version, work=work), report
+    """index_keys from dump to artifact, method "saap" (sparsekv.offline.stage.fit_and_save: checkpoints under
+    `root`, `resume`, the artifact written and the checkpoints removed). Returns (path, report)."""
+    return fit_and_save(acts, root, METHOD, "index", index_keys, resume=resume, version=version, progress=progress,
+                        **options)
 
 
 def _kmeans(keys: torch.Tensor, clusters: int, iters: int, seed: int, work, resume: bool, progress):
