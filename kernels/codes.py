@@ -50,7 +50,7 @@ import triton.language as tl
 
 from . import count_select
 from .hadamard import _prec, hadamard_signs
-from .reference import _per_word, hadamard_matrix
+from .reference import RowBounds, _per_word, hadamard_matrix
 
 _POOLS = {None: 0, "sum": 1, "min": 2}
 
@@ -296,16 +296,23 @@ def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr
 @triton.jit
 def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
+                          LENS, span, sink, window, lo,
                           G: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, HAMMING: tl.constexpr,
                           LANE_BITS: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
                           PW2: tl.constexpr, L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
-                          BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr):
+                          BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr,
+                          BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0):
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
     kv = bh % Hkv
     keys = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     k_ok = keys < length
+    if BOUNDS:  # the row's own region, from its device length: keys outside it get FILL (chosen last)
+        L = tl.load(LENS + b).to(tl.int32)
+        first = tl.where(span > 0, tl.maximum(L - span, 0), 0) + sink  # the sliding window's first key, + sink
+        pos = lo + keys
+        inside = (pos >= first) & (pos < L - window)
     w = tl.arange(0, BLOCK_W)
     w_ok = w < NW
     # the key tile, read once for the whole query group; padding words read as 0 (code 0 on both sides: adds 0)
@@ -368,6 +375,8 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
             val = dist
             if NEGATE:
                 val = (-dist).to(tl.float32)
+            if BOUNDS:
+                val = tl.where(inside, val, FILL)
             tl.store(o_base + (kv * G + g) * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
         elif POOL == 1:
             pooled += dist
@@ -377,6 +386,8 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
         val = pooled
         if NEGATE:
             val = (-pooled).to(tl.float32)
+        if BOUNDS:
+            val = tl.where(inside, val, FILL)
         tl.store(o_base + kv * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
 
 
@@ -403,10 +414,11 @@ def _kv_heads(Hq: int, k_words: torch.Tensor, length: int) -> int:
 
 
 def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps,
-                     popc=None):
+                     popc=None, bounds=None, fill=0):
     """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype.
     popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
-    int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2)."""
+    int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2).
+    bounds: RowBounds; keys outside a row's region get `fill` instead of their distance."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -448,14 +460,19 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     else:  # the unpacked key tile [BLOCK_L, BLOCK_W, PW2] does: about 8K codes per program
         BLOCK_L = block_l or max(16, 8192 // (BLOCK_W * triton.next_power_of_2(pw)))
     grid = (triton.cdiv(length, BLOCK_L), B * Hkv)
+    if bounds is not None:
+        bounds.check(B, q_words.device)
+    lens, b_args = (bounds.lengths, (bounds.span, bounds.sink, bounds.window, bounds.lo)) if bounds is not None \
+        else (out, (0, 0, 0, 0))  # unread placeholders without bounds
     _code_distance_kernel[grid](
         qw, kw, out, length, Hkv,
         qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
+        lens, *b_args,
         G=G, NW=NW, FAST=fast, HAMMING=hamming, LANE_BITS=qw.element_size() * 8,
         BYTE_SUM=(fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255), BITS=bits, PW=pw,
         PW2=triton.next_power_of_2(pw), L2=metric == "l2",
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
-        POPC=popc > 0,
+        POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill,
     )
     return out
 
@@ -489,7 +506,7 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
               metric: str = "l1", *, pool: str | None = None, offset: int = 0, keep: torch.Tensor | None = None,
-              block_l: int | None = None, num_warps: int = 4, _chunk: int | None = None,
+              bounds: RowBounds | None = None, block_l: int | None = None, num_warps: int = 4, _chunk: int | None = None,
               _tile: int | None = None) -> torch.Tensor:
     """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
     in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`: a
@@ -499,15 +516,19 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     head at 131072 keys, and the two together beat code_scores + topk; the decode step they serve: BENCHMARKS.md,
     "Decode step of one layer".
     Rows whose distances can reach 2^14 (e.g. 3-bit L2 pooled over 8 heads) raise ValueError: use code_scores +
-    topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]): keys outside it are
-    chosen last (given the largest value the select counts; ties go to the lower index)."""
+    topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]) or `bounds`
+    (RowBounds: the same as a region per row, applied inside the distance kernel with no mask tensor; its `lo` is
+    where k_words was sliced): keys outside are chosen last (given the largest value the select counts; ties go to
+    the lower index)."""
     vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool))
     count_select.value_bits(vmax)  # ValueError before any work
     if not 0 <= k <= length:
         raise ValueError(f"k={k} must be between 0 and the {length} keys")
-    dist = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l, num_warps)
+    fill = (1 << count_select.value_bits(vmax)) - 1
+    dist = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l, num_warps,
+                            bounds=bounds, fill=fill)
     if keep is not None:
-        dist.masked_fill_(~keep, (1 << count_select.value_bits(vmax)) - 1)
+        dist.masked_fill_(~keep, fill)
     return count_select.smallest_k(dist, k, vmax, offset=offset, _chunk=_chunk, _tile=_tile)
 
 

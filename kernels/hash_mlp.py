@@ -10,6 +10,12 @@ mlp_hash_pack(_into)  one fused pass per (batch, KV head, block of rows): a prog
                       intermediate activations never leave registers. The bits 1[acc > 0], reshaped
                       [rows, BLOCK_N / 16, 16], are shifted to their positions and summed into words, stored
                       straight into the code buffer at the given rows or per-row device slots.
+                      A decode step has one row block per KV head: too few programs for a GPU, each a long
+                      chain of loads and dots. There the chunks of hidden units go to programs of their own
+                      (`split`), which leave partial sums in scratch; the last of a row block to arrive (an
+                      arrival count, acquire/release) adds them in chunk order and packs.
+                      Without b1 and w2 the hash is linear, sign(x @ w1) (LSH's hyperplanes): one dot per
+                      program and chunk of bits, the chunks on programs of their own.
 
 Weights (per KV head, row-vector form y = SiLU(x @ w1 + b1) @ w2, i.e. W1 = w1ᵀ, W2 = w2ᵀ of the paper):
 w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits], any strides. Each dot's operands take its weight's dtype: fp32
@@ -37,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import num_sms
 from .reference import _mlp_hash_shapes
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -44,14 +51,14 @@ _PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 
 @triton.jit
-def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, n, G, Hkv, start,
+def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, Hkv, start,
                      stride_xb, stride_xh, stride_xn, stride_xd,
                      stride_1h, stride_1d, stride_1m, stride_bh, stride_bm, stride_2h, stride_2m, stride_2k,
                      stride_ob, stride_oh, stride_on,
                      D: tl.constexpr, M: tl.constexpr, NBITS: tl.constexpr, W: tl.constexpr,
                      PREC1: tl.constexpr, PREC2: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     N_NC: tl.constexpr, ROW_START: tl.constexpr):
+                     ROW_START: tl.constexpr, LINEAR: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     bk = tl.program_id(1)
     b = (bk // Hkv).to(tl.int64)
@@ -71,38 +78,86 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, n, G, Hkv, start,
     b1_base = B1 + kv * stride_bh
     w2_base = W2 + kv * stride_2h
     o_row = OUT + b * stride_ob + h * stride_oh + (start + i) * stride_on  # [BLOCK_M] pointers
-    slot = tl.arange(0, 16)
-    for nc in tl.static_range(N_NC):  # chunks of BLOCK_N bits (one for nbits <= 128)
+    if LINEAR:  # y = x @ w1: one dot, w1's columns are the bits; program_id(2) is this program's chunk of bits
+        nc = tl.program_id(2)
+        cols = nc * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ok = cols < NBITS
+        w1 = tl.load(w1_base + dd[:, None] * stride_1d + cols[None, :] * stride_1m,
+                     mask=d_ok[:, None] & c_ok[None, :], other=0.0)  # padded bits: acc 0, bit 0
+        acc = tl.dot(x, w1, input_precision=PREC1)
+        _pack_store(acc, o_row, r_ok, nc, BLOCK_M, BLOCK_N, W)
+    elif SPLIT:  # program_id(2) is this program's chunk of BLOCK_K hidden units; every bit in one chunk
+        cols = tl.arange(0, BLOCK_N)
+        mc = tl.program_id(2)
+        acc = _mlp_part(x, w1_base, b1_base, w2_base, mc * BLOCK_K, dd, d_ok, cols, cols < NBITS, M,
+                        stride_1d, stride_1m, stride_bm, stride_2m, stride_2k, W2.dtype.element_ty, PREC1, PREC2,
+                        BLOCK_K)
+        # the chunks' partial sums meet in scratch; the last chunk of this row block to finish adds them up in
+        # chunk order (the same sum every run: no float atomics) and packs the bits
+        MC: tl.constexpr = (M + BLOCK_K - 1) // BLOCK_K
+        blk = bk * tl.num_programs(0) + pid_m
+        rows_ = tl.arange(0, BLOCK_M)
+        tile = (blk * MC * BLOCK_M + rows_[:, None]) * BLOCK_N + cols[None, :]
+        tl.store(SCR + tile + mc * (BLOCK_M * BLOCK_N), acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's part is written before the count says so
+        if tl.atomic_add(CNT + blk, 1, sem="acq_rel") == MC - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for c in tl.static_range(MC):
+                total += tl.load(SCR + tile + c * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            _pack_store(total, o_row, r_ok, 0, BLOCK_M, BLOCK_N, W)
+            tl.atomic_xchg(CNT + blk, 0, sem="relaxed")  # ready for the next call (a graph replays it)
+    else:
+        nc = tl.program_id(2)  # this program's chunk of BLOCK_N output bits
         cols = nc * BLOCK_N + tl.arange(0, BLOCK_N)
         c_ok = cols < NBITS
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for m0 in range(0, M, BLOCK_K):
-            mm = m0 + tl.arange(0, BLOCK_K)
-            m_ok = mm < M
-            w1 = tl.load(w1_base + dd[:, None] * stride_1d + mm[None, :] * stride_1m,
-                         mask=d_ok[:, None] & m_ok[None, :], other=0.0)
-            bias = tl.load(b1_base + mm * stride_bm, mask=m_ok, other=0.0).to(tl.float32)
-            hid = tl.dot(x, w1, input_precision=PREC1) + bias[None, :]  # padded units: SiLU(0) = 0
-            hid = hid * tl.sigmoid(hid)
-            w2 = tl.load(w2_base + mm[:, None] * stride_2m + cols[None, :] * stride_2k,
-                         mask=m_ok[:, None] & c_ok[None, :], other=0.0)  # padded bits: acc 0, bit 0
-            acc = tl.dot(hid.to(W2.dtype.element_ty), w2, acc, input_precision=PREC2)
-        bits = tl.reshape((acc > 0).to(tl.int32), [BLOCK_M, BLOCK_N // 16, 16])  # column w·16 + j: word w, bit j
-        word = tl.sum(bits << slot[None, None, :], axis=2)  # disjoint bits: sum == or
-        word = tl.where(word >= 32768, word - 65536, word)  # the int16 with the same bits
-        w = nc * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
-        tl.store(o_row[:, None] + w[None, :], word.to(tl.int16), mask=r_ok[:, None] & (w < W)[None, :])
+            acc += _mlp_part(x, w1_base, b1_base, w2_base, m0, dd, d_ok, cols, c_ok, M, stride_1d, stride_1m,
+                             stride_bm, stride_2m, stride_2k, W2.dtype.element_ty, PREC1, PREC2, BLOCK_K)
+        _pack_store(acc, o_row, r_ok, nc, BLOCK_M, BLOCK_N, W)
 
 
-def _check(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
-    """(Hkv, M, nbits), after the reference's shape checks and the kernel's dtypes and devices (host metadata)."""
+@triton.jit
+def _mlp_part(x, w1_base, b1_base, w2_base, m0, dd, d_ok, cols, c_ok, M, stride_1d, stride_1m, stride_bm,
+              stride_2m, stride_2k, W2_TY: tl.constexpr, PREC1: tl.constexpr, PREC2: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """SiLU(x @ w1[:, units] + b1[units]) @ w2[units, cols] for the BLOCK_K hidden units from m0: fp32 [rows, cols]."""
+    mm = m0 + tl.arange(0, BLOCK_K)
+    m_ok = mm < M
+    w1 = tl.load(w1_base + dd[:, None] * stride_1d + mm[None, :] * stride_1m, mask=d_ok[:, None] & m_ok[None, :],
+                 other=0.0)
+    bias = tl.load(b1_base + mm * stride_bm, mask=m_ok, other=0.0).to(tl.float32)
+    hid = tl.dot(x, w1, input_precision=PREC1) + bias[None, :]  # padded units: SiLU(0) = 0
+    hid = hid * tl.sigmoid(hid)
+    w2 = tl.load(w2_base + mm[:, None] * stride_2m + cols[None, :] * stride_2k, mask=m_ok[:, None] & c_ok[None, :],
+                 other=0.0)  # padded bits: acc 0, bit 0
+    return tl.dot(hid.to(W2_TY), w2, input_precision=PREC2)
+
+
+@triton.jit
+def _pack_store(acc, o_row, r_ok, nc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr):
+    """The bits 1[acc > 0] of chunk nc (BLOCK_N bits), packed 16 a word, stored at the rows' pointers o_row."""
+    slot = tl.arange(0, 16)
+    bits = tl.reshape((acc > 0).to(tl.int32), [BLOCK_M, BLOCK_N // 16, 16])  # column w·16 + j: word w, bit j
+    word = tl.sum(bits << slot[None, None, :], axis=2)  # disjoint bits: sum == or
+    word = tl.where(word >= 32768, word - 65536, word)  # the int16 with the same bits
+    w = nc * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+    tl.store(o_row[:, None] + w[None, :], word.to(tl.int16), mask=r_ok[:, None] & (w < W)[None, :])
+
+
+def _check(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+           w2: torch.Tensor | None) -> tuple[int, int, int]:
+    """(Hkv, M, nbits) (M = 0: a linear hash), after the reference's shape checks and the kernel's dtypes and
+    devices (host metadata)."""
     for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2)):
+        if t is None:
+            continue
         if t.dtype not in _FLOATS:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     Hkv, M, nbits = _mlp_hash_shapes(x, w1, b1, w2)
-    if M < 1:
+    if M < 1 and w2 is not None:
         raise ValueError(f"w1 {tuple(w1.shape)} has no intermediate units")
     return Hkv, M, nbits
 
@@ -111,20 +166,23 @@ def _prec(dtype: torch.dtype, precision: str) -> str:
     return precision if dtype == torch.float32 else "tf32"  # ignored for 16-bit operands (native tensor cores)
 
 
-def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor | None,
                        out_words: torch.Tensor, start: int | torch.Tensor, *, precision: str = "ieee",
                        block_m: int | None = None, block_k: int | None = None, block_n: int | None = None,
-                       num_warps: int | None = None) -> None:
+                       num_warps: int | None = None, split: bool | None = None) -> None:
     """The hash codes of x [B, H, n, D] written into out_words[:, :, start:start + n] in place.
 
     out_words: int16 [B, H, Lmax, ceil(nbits / 16)] with contiguous words (the cache state; other slots are not
     touched). start: an int, or a device integer tensor [B] of each batch row's first slot (a decode step: rows
     [start[b], start[b] + n); not range-checked: no host read). w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]:
-    fp32 or 16-bit, any strides; H a multiple of Hkv (head h uses KV head h // (H // Hkv)'s weights).
+    fp32 or 16-bit, any strides; H a multiple of Hkv (head h uses KV head h // (H // Hkv)'s weights). b1 and w2
+    None: the linear hash sign(x @ w1), w1 [Hkv, D, nbits] (LSH's hyperplanes).
     precision: the dots' input precision when a weight is fp32 ("tf32", "tf32x3" or "ieee"; CUDA only, the
     interpreter computes in fp32). Tuning knobs (powers of two >= 16): block_m rows, block_k intermediate units,
-    block_n output bits per chunk; num_warps (default 8 from 64 rows up, else 4). Same bits as
-    mlp_hash_pack_into_reference up to pre-sign values within rounding of 0.
+    block_n output bits per chunk; num_warps (default 8 from 64 rows up, else 4); split (default: on a GPU when
+    the row blocks alone would give fewer programs than it has multiprocessors, e.g. a decode step): the hidden
+    units are split over programs in chunks of block_k, whose partial sums the last one to finish adds up and
+    packs. Same bits as mlp_hash_pack_into_reference up to pre-sign values within rounding of 0.
     """
     Hkv, M, nbits = _check(x, w1, b1, w2)
     if precision not in _PRECISIONS:
@@ -147,22 +205,49 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: 
     G = H // Hkv
     rows = G * n  # a program's rows: its KV head's query group x the n positions
     BLOCK_M = block_m or (64 if rows >= 64 else 16)
-    BLOCK_K = block_k or max(16, min(32 if w1.dtype == torch.float32 else 64, triton.next_power_of_2(M)))
-    BLOCK_N = block_n or max(16, min(128, triton.next_power_of_2(nbits)))
-    grid = (triton.cdiv(rows, BLOCK_M), B * Hkv)
-    _mlp_hash_kernel[grid](
-        x, w1, b1, w2, out_words, start if row_start else out_words, n, G, Hkv, 0 if row_start else start,
+    linear = w2 is None
+    BLOCK_K = block_k or max(16, min(32 if w1.dtype == torch.float32 else 64, triton.next_power_of_2(max(M, 1))))
+    # a linear hash's chunks of bits are independent dots: 16 bits a program spreads a decode step's few rows
+    # over more programs; an MLP's chunks would each recompute the hidden layer, so a few rows split its hidden
+    # units over programs instead (`split`)
+    BLOCK_N = block_n or max(16, min(16 if linear else 128, triton.next_power_of_2(nbits)))
+    m_blocks = triton.cdiv(rows, BLOCK_M)
+    can_split = not linear and triton.next_power_of_2(nbits) <= BLOCK_N and M > BLOCK_K
+    if split is None:  # too few programs to fill the GPU otherwise (a decode step: one row block per KV head)
+        split = can_split and x.is_cuda and m_blocks * B * Hkv < num_sms(x.device)
+    if split and not can_split:
+        raise ValueError("split needs an MLP hash whose bits fit one chunk (block_n) and more than block_k units")
+    chunks = triton.cdiv(M, BLOCK_K) if split else triton.cdiv(nbits, BLOCK_N)
+    scr, cnt = _split_scratch(x.device, m_blocks * B * Hkv, chunks, BLOCK_M, BLOCK_N) if split else (x, out_words)
+    b1_, w2_ = (w1[:, 0], w1) if linear else (b1, w2)  # unread placeholders of a linear hash
+    _mlp_hash_kernel[(m_blocks, B * Hkv, chunks)](
+        x, w1, b1_, w2_, out_words, start if row_start else out_words, scr, cnt, n, G, Hkv,
+        0 if row_start else start,
         x.stride(0), x.stride(1), x.stride(2), x.stride(3),
-        w1.stride(0), w1.stride(1), w1.stride(2), b1.stride(0), b1.stride(1), w2.stride(0), w2.stride(1),
-        w2.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
-        D=D, M=M, NBITS=nbits, W=W, PREC1=_prec(w1.dtype, precision), PREC2=_prec(w2.dtype, precision),
+        w1.stride(0), w1.stride(1), w1.stride(2), b1_.stride(0), b1_.stride(1), w2_.stride(0), w2_.stride(1),
+        w2_.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
+        D=D, M=M, NBITS=nbits, W=W, PREC1=_prec(w1.dtype, precision), PREC2=_prec(w2_.dtype, precision),
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
-        N_NC=triton.cdiv(nbits, BLOCK_N), ROW_START=row_start, num_warps=num_warps or (8 if BLOCK_M >= 64 else 4),
+        ROW_START=row_start, LINEAR=linear, SPLIT=bool(split), num_warps=num_warps or (8 if BLOCK_M >= 64 else 4),
     )
 
 
-def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-                  **tuning) -> torch.Tensor:
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(device: torch.device, blocks: int, chunks: int, block_m: int, block_n: int):
+    """(partial sums fp32, arrival counts int32 zeroed) of a split launch, cached per shape: the kernel leaves the
+    counts at zero, so a captured graph replays with no memset. Calls that share them must be ordered (one stream
+    or one graph), as the decode step's are."""
+    key = (device, blocks, chunks, block_m, block_n)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(blocks * chunks * block_m * block_n, dtype=torch.float32, device=device),
+                         torch.zeros(blocks, dtype=torch.int32, device=device))
+    return _SCRATCH[key]
+
+
+def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
+                  w2: torch.Tensor | None = None, **tuning) -> torch.Tensor:
     """Fused MLP hash + sign + pack: x [B, H, n, D] -> int16 words [B, H, n, ceil(nbits / 16)]
     (see mlp_hash_pack_into for the weights and `tuning`)."""
     _, _, nbits = _check(x, w1, b1, w2)

@@ -11,7 +11,13 @@ tall-skinny GEMM and ran it at ~80 µs for 8 KV heads x 8192 pages (llama3-8b, 1
 33.5 MB read's bandwidth floor; reading the tile once and doing the O(G·D) work per page in registers is
 bandwidth-bound. fp32 maths whatever the storage dtype.
 
-Reference: kernels/reference.py::quest_scores_reference.
+page_blocks  the top-k's picks as the pages a step attends, with each row's newest page, in one launch.
+append_one   a decode step's new key folded into its page's bounds, in one launch.
+
+A graph-replayed step's rows have their own lengths on the device (PageRegion): page_scores gives the pages a row
+may not choose -inf, and page_blocks reads each row's newest page, so a step builds no mask tensors.
+
+References: kernels/reference.py::quest_region_scores_reference, quest_blocks_reference, quest_append_reference.
 """
 
 from __future__ import annotations
@@ -20,18 +26,36 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import PageRegion
+
+
+@triton.jit
+def _choosable(LENS, stride_l, b, page, span, sink, window, S, SKIP_LAST: tl.constexpr):
+    """Which absolute pages overlap batch row b's region [start + sink, length - window) (and are not its newest
+    page with SKIP_LAST), its length read on the device (PageRegion)."""
+    L = tl.load(LENS + b * stride_l).to(tl.int32)
+    first = tl.where(span > 0, tl.maximum(L - span, 0), 0) + sink  # the sliding window's first key, + sink
+    ok = ((page + 1) * S > first) & (page * S < L - window)
+    if SKIP_LAST:
+        ok = ok & (page != (L - 1) // S)
+    return ok
+
 
 @triton.jit
 def _page_scores_kernel(Q, BND, OUT, n_pages, Hkv,
                         stride_qb, stride_qh, stride_bb, stride_bh, stride_bp, stride_ob, stride_oh,
+                        LENS, stride_l, span, sink, window, S, p_lo,
                         D: tl.constexpr, G: tl.constexpr, POOL_MAX: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, REGION: tl.constexpr,
+                        SKIP_LAST: tl.constexpr):
     pid_p = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
     kv = bh % Hkv
     pages = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = pages < n_pages
+    if REGION:  # pages this row may not choose score -inf
+        inside = _choosable(LENS, stride_l, b, p_lo + pages, span, sink, window, S, SKIP_LAST)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     row = BND + b * stride_bb + kv * stride_bh + pages[:, None] * stride_bp + d[None, :]
@@ -42,6 +66,8 @@ def _page_scores_kernel(Q, BND, OUT, n_pages, Hkv,
     for g in tl.static_range(G):
         q = tl.load(Q + b * stride_qb + (kv * G + g) * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
         u = tl.sum(tl.maximum(q[None, :] * hi, q[None, :] * lo), axis=1)
+        if REGION:
+            u = tl.where(inside, u, float("-inf"))
         if POOL_MAX:
             best = tl.maximum(best, u)
         else:
@@ -51,12 +77,13 @@ def _page_scores_kernel(Q, BND, OUT, n_pages, Hkv,
 
 
 def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max", *,
-                block_p: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                region: PageRegion | None = None, block_p: int | None = None, num_warps: int = 8) -> torch.Tensor:
     """Upper bounds fp32 [B, Hkv, n_pages] (pool "max" over each KV head's query group) or [B, Hq, n_pages] (None).
 
     q: [B, Hq, D] or [B, Hq, 1, D]; bounds: [B, Hkv, >= n_pages, 2D] with each page's max then min (a slice of the
     cache state is fine, e.g. bounds[:, :, first_page:]); query head h reads KV head h // (Hq // Hkv).
-    Same contract as quest_scores_reference.
+    region: pages outside it score -inf (read from device lengths: no mask tensor). Same contract as
+    quest_region_scores_reference.
     """
     if q.dim() == 4:
         if q.shape[2] != 1:
@@ -82,11 +109,101 @@ def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str |
     if bounds.stride(-1) != 1:
         bounds = bounds.contiguous()
     BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_P = block_p or max(16, 4096 // BLOCK_D)  # two [BLOCK_P, BLOCK_D] fp32 tiles in registers
+    # two [BLOCK_P, BLOCK_D] fp32 tiles in registers; with 8 warps they were read closest to copy bandwidth in an
+    # H100 sweep of block_p and warps (llama3-8b, 8192 pages)
+    BLOCK_P = block_p or max(16, 4096 // BLOCK_D)
     grid = (triton.cdiv(n_pages, BLOCK_P), B * Hkv)
     _page_scores_kernel[grid](
         q, bounds, out, n_pages, Hkv,
         q.stride(0), q.stride(1), bounds.stride(0), bounds.stride(1), bounds.stride(2), out.stride(0), out.stride(1),
-        D=D, G=G, POOL_MAX=pool == "max", BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=num_warps,
+        *_region_args(region, B, q.device),
+        D=D, G=G, POOL_MAX=pool == "max", BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, REGION=region is not None,
+        SKIP_LAST=region is not None and region.skip_last, num_warps=num_warps,
     )
     return out
+
+
+def _region_args(region: PageRegion | None, batch: int, device: torch.device) -> tuple:
+    """(LENS, stride, span, sink, window, page size, p_lo) of a PageRegion; placeholders without one. A single
+    length (a host-length step) serves every row (stride 0)."""
+    if region is None:
+        return (torch.empty(1, dtype=torch.int32, device=device), 0, 0, 0, 0, 1, 0)
+    r = region.rows
+    L = r.lengths
+    if L.dim() != 1 or L.shape[0] not in (1, batch) or L.device != device or L.is_floating_point():
+        raise ValueError(f"region lengths must be an integer tensor [{batch}] or [1] on {device}, got {L.dtype} "
+                         f"{tuple(L.shape)} on {L.device}")
+    return (L, L.stride(0) if L.shape[0] > 1 else 0, r.span, r.sink, r.window, region.page_size, region.p_lo)
+
+
+@triton.jit
+def _blocks_kernel(SC, PICK, OUT, LENS, stride_l, H, k, p_lo, S, stride_sb, stride_sh, stride_pb, stride_ph,
+                   stride_ob, stride_oh, SKIP_LAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    j = tl.arange(0, BLOCK_K)
+    ok = j < k
+    pick = tl.load(PICK + b * stride_pb + h * stride_ph + j, mask=ok, other=0)
+    score = tl.load(SC + b * stride_sb + h * stride_sh + pick, mask=ok, other=float("-inf"))
+    o = OUT + b * stride_ob + h * stride_oh
+    tl.store(o + j, tl.where(score > float("-inf"), pick + p_lo, -1), mask=ok)
+    if SKIP_LAST:
+        L = tl.load(LENS + b * stride_l).to(tl.int64)
+        tl.store(o + k, (L - 1) // S)
+
+
+def page_blocks(scores: torch.Tensor, pick: torch.Tensor, region: PageRegion) -> torch.Tensor:
+    """The pages a step attends, int64 [B, H, k (+ 1 with region.skip_last)], in one launch: the top-k's picks
+    (indices into scores [B, H, n]) as absolute pages, -1 for a -inf pick, then each row's newest page. Same
+    contract as quest_blocks_reference."""
+    B, H, k = pick.shape
+    if scores.shape[:2] != (B, H) or pick.dtype != torch.int64:
+        raise ValueError(f"pick must be int64 [B, H, k] over scores {tuple(scores.shape)}, got {pick.dtype} "
+                         f"{tuple(pick.shape)}")
+    out = torch.empty(B, H, k + int(region.skip_last), dtype=torch.int64, device=scores.device)
+    if B * H == 0:
+        return out
+    L, stride_l, *_ = _region_args(region, B, scores.device)
+    _blocks_kernel[(B * H,)](
+        scores, pick, out, L, stride_l, H, k, region.p_lo, region.page_size, scores.stride(0), scores.stride(1),
+        pick.stride(0), pick.stride(1), out.stride(0), out.stride(1), SKIP_LAST=region.skip_last,
+        BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=4)
+    return out
+
+
+@triton.jit
+def _append_kernel(K, BND, SLOT, slot, Hkv, stride_kb, stride_kh, stride_bb, stride_bh, stride_bp, S,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROW_SLOT: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // Hkv
+    kv = bh % Hkv
+    if ROW_SLOT:  # each batch row's write slot, read on the device (a graph-replayed decode step)
+        slot = tl.load(SLOT + b).to(tl.int64)
+    page = slot // S
+    fresh = slot % S == 0  # the first key of its page replaces the page's bounds
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    k = tl.load(K + b * stride_kb + kv * stride_kh + d, mask=d_ok).to(BND.dtype.element_ty)
+    row = BND + b * stride_bb + kv * stride_bh + page * stride_bp + d
+    hi = tl.load(row, mask=d_ok)
+    lo = tl.load(row + D, mask=d_ok)
+    tl.store(row, tl.where(fresh, k, tl.maximum(hi, k)), mask=d_ok)
+    tl.store(row + D, tl.where(fresh, k, tl.minimum(lo, k)), mask=d_ok)
+
+
+def append_one(bounds: torch.Tensor, k: torch.Tensor, pos: int | torch.Tensor, page_size: int) -> None:
+    """One new key per row, k [B, Hkv, 1, D] at position pos (an int, or device write slots [B]: no host read),
+    folded into its page's [max | min] row of bounds [B, Hkv, pages, 2D] in place, one program per (row, KV head).
+    Same contract as quest_append_reference."""
+    B, Hkv, n, D = k.shape
+    if n != 1 or bounds.shape[:2] != (B, Hkv) or bounds.shape[3] != 2 * D or bounds.stride(3) != 1:
+        raise ValueError(f"expected k [B, Hkv, 1, D] and bounds [B, Hkv, pages, 2D] with contiguous rows, got "
+                         f"{tuple(k.shape)} and {tuple(bounds.shape)}")
+    row_slot = isinstance(pos, torch.Tensor)
+    if B * Hkv == 0:
+        return
+    _append_kernel[(B * Hkv,)](
+        k, bounds, pos if row_slot else bounds, 0 if row_slot else pos, Hkv, k.stride(0), k.stride(1),
+        bounds.stride(0), bounds.stride(1), bounds.stride(2), page_size, D=D,
+        BLOCK_D=triton.next_power_of_2(D), ROW_SLOT=row_slot, num_warps=1)

@@ -5,6 +5,8 @@ Clarity over speed: these are what the tests compare the kernels against, and th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -35,6 +37,48 @@ def decode_positions(batch: int, heads: int, lengths: int | torch.Tensor, indice
     parts.append(win)
     pos = torch.cat(parts, dim=-1)
     return torch.where((pos >= start) & (pos < L), pos, -1)
+
+
+@dataclass(frozen=True)
+class RowBounds:
+    """The region a graph-replayed step chooses from, per batch row, as kernels take it: key i of a row sliced at
+    `lo` (position lo + i) may be chosen iff start + sink <= lo + i < length - window, with the row's device length
+    `lengths[b]` and start its sliding window's first key (0 when span is 0). Kernels read the length on the device
+    (no mask tensor is built); `mask` is the same region as a bool tensor (the references)."""
+
+    lengths: torch.Tensor  # [B] integer, on the device of the data
+    span: int = 0
+    sink: int = 0
+    window: int = 0
+    lo: int = 0
+
+    def mask(self, n: int) -> torch.Tensor:
+        """bool [B, 1, n]: which of the n keys from lo each row may choose (few launches: a graph step replays
+        them every layer)."""
+        L = self.lengths.view(-1, 1, 1)
+        first = (L - self.span).clamp(min=0) + self.sink if self.span else self.sink
+        pos = torch.arange(self.lo, self.lo + n, device=L.device).view(1, 1, -1)
+        return (pos >= first) & (pos < (L - self.window if self.window else L))
+
+    def check(self, batch: int, device: torch.device) -> None:
+        if (self.lengths.shape != (batch,) or self.lengths.device != device or self.lengths.is_floating_point()
+                or self.lengths.is_complex()):
+            raise ValueError(f"bounds.lengths must be an integer tensor [{batch}] on {device}, got "
+                             f"{self.lengths.dtype} {tuple(self.lengths.shape)} on {self.lengths.device}")
+
+
+def block_positions_reference(blocks: torch.Tensor, block_size: int, lengths: int | torch.Tensor, span: int = 0,
+                              sink: int = 0, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [B, H, nb] (block b covers positions [b·block_size, (b+1)·block_size), -1 = none) as padded token
+    positions [B, H, nb·block_size], -1 outside each row's sparse region [start + sink, length - window) (`lengths`
+    an int or per row [B]; start the sliding window's first key, 0 when span is 0): what the step reads of them;
+    and how many that is per (row, head) on average, fp32 0-dim (the step's statistics)."""
+    offs = torch.arange(block_size, device=blocks.device)
+    pos = blocks.long().unsqueeze(-1) * block_size + offs
+    L = torch.as_tensor(lengths, device=blocks.device).long().reshape(-1, 1, 1, 1)
+    lo = ((L - span).clamp(min=0) if span else torch.zeros_like(L)) + sink
+    pos = torch.where((blocks.unsqueeze(-1) >= 0) & (pos >= lo) & (pos < L - window), pos, -1).flatten(-2)
+    return pos, pos.ge(0).sum(-1).float().mean()
 
 
 def check_positions(pos: torch.Tensor) -> None:
@@ -381,6 +425,59 @@ def quest_scores_reference(q: torch.Tensor, bounds: torch.Tensor, n_pages: int,
     return u.view(B, Hkv, Hq // Hkv, n_pages).amax(2)
 
 
+@dataclass(frozen=True)
+class PageRegion:
+    """The pages a Quest step may choose, per batch row: page p overlaps the row's region [start + sink, length -
+    window) (`rows`, a RowBounds; its lo unused), and is not the row's newest page, (length - 1) // page_size, when
+    `skip_last` (that page is attended anyway). Pages are counted from p_lo (the first page scored)."""
+
+    rows: RowBounds
+    page_size: int
+    p_lo: int = 0
+    skip_last: bool = False
+
+    def mask(self, n_pages: int) -> torch.Tensor:
+        """bool [B, 1, n_pages]: which of the n_pages pages from p_lo each row may choose."""
+        r, S = self.rows, self.page_size
+        L = r.lengths.long().view(-1, 1, 1)
+        start = (L - r.span).clamp(min=0) if r.span else torch.zeros_like(L)
+        page = self.p_lo + torch.arange(n_pages, device=L.device).view(1, 1, -1)
+        ok = ((page + 1) * S > start + r.sink) & (page * S < L - r.window)
+        return ok & (page != (L - 1) // S) if self.skip_last else ok
+
+
+def quest_region_scores_reference(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max",
+                                  region: PageRegion | None = None) -> torch.Tensor:
+    """quest_scores_reference with the pages outside `region` at -inf (never chosen while others remain)."""
+    u = quest_scores_reference(q, bounds, n_pages, pool)
+    return u if region is None else u.masked_fill(~region.mask(n_pages), float("-inf"))
+
+
+def quest_blocks_reference(scores: torch.Tensor, pick: torch.Tensor, region: PageRegion) -> torch.Tensor:
+    """The pages a step attends, int64 [B, H, k (+ 1)]: the picked pages (indices into scores [B, H, n], from the
+    top-k) as absolute pages, -1 where the pick is a -inf score (fewer choosable pages than k), then, when
+    region.skip_last, each row's newest page."""
+    chosen = torch.gather(scores, 2, pick) > float("-inf")
+    blocks = torch.where(chosen, pick + region.p_lo, -1)
+    if not region.skip_last:
+        return blocks
+    last = (region.rows.lengths.long().view(-1, 1, 1) - 1) // region.page_size
+    return torch.cat((blocks, last.expand(blocks.shape[0], blocks.shape[1], 1)), dim=-1)
+
+
+def quest_append_reference(bounds: torch.Tensor, k: torch.Tensor, pos: int | torch.Tensor, page_size: int) -> None:
+    """One new key per row, k [B, Hkv, 1, D] at position pos (an int, or device slots [B]), folded into its page's
+    [max | min] row of bounds [B, Hkv, pages, 2D] in place; the first key of a page replaces the row."""
+    B, D = k.shape[0], k.shape[-1]
+    pos = torch.as_tensor(pos, device=k.device).long().expand(B)
+    rows, page = torch.arange(B, device=k.device), pos // page_size
+    fresh = (pos % page_size == 0).view(B, 1, 1)
+    k1 = k[:, :, 0].to(bounds.dtype)
+    hi = torch.where(fresh, k1, torch.maximum(bounds[rows, :, page, :D], k1))
+    lo = torch.where(fresh, k1, torch.minimum(bounds[rows, :, page, D:], k1))
+    bounds[rows, :, page] = torch.cat((hi, lo), dim=-1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A decode step's layer elementwise ops (kernels/layer_ops.py), eager transformers' arithmetic.
 
@@ -473,26 +570,36 @@ def prefill_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: tor
 # Spotlight Attention's MLP hash (§3.2 eq. 5-6): H(x) = sign(W2 · SiLU(W1 x + b1)), packed like 1-bit codes
 # (kernels/hash_mlp.py).
 
-def _mlp_hash_shapes(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
-    """(Hkv, M, nbits) of the weights w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits], checked against x
-    [B, H, n, D] with H a multiple of Hkv."""
+def _mlp_hash_shapes(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+                     w2: torch.Tensor | None) -> tuple[int, int, int]:
+    """(Hkv, M, nbits) of the weights w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits] (or of a linear hash: w1
+    [Hkv, D, nbits] alone, M = 0), checked against x [B, H, n, D] with H a multiple of Hkv."""
     if x.dim() != 4:
         raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
-    if w1.dim() != 3 or b1.dim() != 2 or w2.dim() != 3:
-        raise ValueError(f"expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]; got {tuple(w1.shape)}, "
-                         f"{tuple(b1.shape)}, {tuple(w2.shape)}")
-    Hkv, D, M = w1.shape
-    nbits = w2.shape[2]
-    if D != x.shape[3] or tuple(b1.shape) != (Hkv, M) or tuple(w2.shape[:2]) != (Hkv, M) or nbits < 1:
-        raise ValueError(f"weights w1 {tuple(w1.shape)}, b1 {tuple(b1.shape)}, w2 {tuple(w2.shape)} do not fit "
-                         f"x {tuple(x.shape)} (expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits])")
+    if (b1 is None) != (w2 is None):
+        raise ValueError("give b1 and w2 together (an MLP hash), or neither (a linear hash)")
+    if w2 is None:
+        if w1.dim() != 3 or w1.shape[1] != x.shape[3] or w1.shape[2] < 1:
+            raise ValueError(f"a linear hash's w1 must be [Hkv, {x.shape[3]}, nbits], got {tuple(w1.shape)}")
+        Hkv, M, nbits = w1.shape[0], 0, w1.shape[2]
+    else:
+        if w1.dim() != 3 or b1.dim() != 2 or w2.dim() != 3:
+            raise ValueError(f"expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]; got {tuple(w1.shape)}, "
+                             f"{tuple(b1.shape)}, {tuple(w2.shape)}")
+        Hkv, D, M = w1.shape
+        nbits = w2.shape[2]
+        if D != x.shape[3] or tuple(b1.shape) != (Hkv, M) or tuple(w2.shape[:2]) != (Hkv, M) or nbits < 1:
+            raise ValueError(f"weights w1 {tuple(w1.shape)}, b1 {tuple(b1.shape)}, w2 {tuple(w2.shape)} do not fit "
+                             f"x {tuple(x.shape)} (expected w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits])")
     if Hkv == 0 or x.shape[1] % Hkv:
         raise ValueError(f"{x.shape[1]} heads of x are not a multiple of the weights' {Hkv} KV heads")
     return Hkv, M, nbits
 
 
-def mlp_hash_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The MLP's pre-sign outputs fp32 [B, H, n, nbits]: W2 · SiLU(W1 x + b1) (no b2), fp32 maths.
+def mlp_hash_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
+                       w2: torch.Tensor | None = None) -> torch.Tensor:
+    """The hash's pre-sign outputs fp32 [B, H, n, nbits]: W2 · SiLU(W1 x + b1) (no b2), fp32 maths; without b1 and
+    w2 the linear hash x @ w1 (w1 [Hkv, D, nbits]: LSH's hyperplanes).
 
     x [B, H, n, D] (any float dtype); w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits] (fp32 or 16-bit); head h of x
     uses KV head h // (H // Hkv)'s weights (keys: H = Hkv; queries: a GQA group per KV head). Row-vector form:
@@ -500,13 +607,15 @@ def mlp_hash_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: 
     Hkv, M, nbits = _mlp_hash_shapes(x, w1, b1, w2)
     B, H, n, D = x.shape
     xf = x.float().reshape(B, Hkv, (H // Hkv) * n, D)  # a KV head's query group, rows (g, i)
-    hid = torch.nn.functional.silu(torch.einsum("bhrd,hdm->bhrm", xf, w1.float().to(x.device))
-                                   + b1.float().to(x.device)[None, :, None, :])
-    y = torch.einsum("bhrm,hmk->bhrk", hid, w2.float().to(x.device))
+    y = torch.einsum("bhrd,hdm->bhrm", xf, w1.float().to(x.device))
+    if w2 is not None:
+        hid = torch.nn.functional.silu(y + b1.float().to(x.device)[None, :, None, :])
+        y = torch.einsum("bhrm,hmk->bhrk", hid, w2.float().to(x.device))
     return y.reshape(B, H, n, nbits)
 
 
-def mlp_hash_pack_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def mlp_hash_pack_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
+                            w2: torch.Tensor | None = None) -> torch.Tensor:
     """Spotlight's hash codes int16 [B, H, n, ceil(nbits / 16)]: bit j of the code = 1[mlp_hash_reference(x)_j > 0],
     packed as 1-bit codes (code_pack_reference, bits=1: bit j at position j % 16 of word j // 16, padding bits 0),
     i.e. quantize_pack_reference(y, thresholds (0,), bits=1, transform=False). Contract of
@@ -516,8 +625,9 @@ def mlp_hash_pack_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
     return code_pack_reference((y > 0).to(torch.uint8), bits=1)
 
 
-def mlp_hash_pack_into_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-                                 out_words: torch.Tensor, start: int | torch.Tensor) -> None:
+def mlp_hash_pack_into_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+                                 w2: torch.Tensor | None, out_words: torch.Tensor,
+                                 start: int | torch.Tensor) -> None:
     """mlp_hash_pack_reference written into out_words [B, H, Lmax, W] at rows [start, start + n): `start` an int, or
     a device tensor [B] of each batch row's first slot (one token per row at a decode step; no host read).
     Contract of `hash_mlp.mlp_hash_pack_into`."""

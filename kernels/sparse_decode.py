@@ -248,3 +248,47 @@ def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, leng
     """Split-K flash-decoding over the whole valid cache (its last `span` keys with a sliding window): our dense
     baseline. lengths: int or [B]."""
     return sparse_decode(q, keys, values, scale, lengths, span=span, dense=True, softcap=softcap, **tuning)
+
+
+@triton.jit
+def _block_positions_kernel(BLK, OUT, COUNT, LENS, stride_l, length, H, nb, span, sink, window, per_head,
+                            stride_bb, stride_bh, stride_ob, stride_oh, S: tl.constexpr, BLOCK: tl.constexpr,
+                            ROW_LENGTHS: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # slots: block t // S, offset t % S
+    ok = t < nb * S
+    blk = tl.load(BLK + b * stride_bb + h * stride_bh + t // S, mask=ok, other=-1)
+    L = tl.full([], 0, tl.int64) + length
+    if ROW_LENGTHS:
+        L = tl.load(LENS + b * stride_l).to(tl.int64)
+    lo = tl.where(span > 0, tl.maximum(L - span, 0), 0) + sink
+    pos = blk * S + t % S
+    keep = (blk >= 0) & (pos >= lo) & (pos < L - window)
+    tl.store(OUT + b * stride_ob + h * stride_oh + t, tl.where(keep, pos, -1), mask=ok)
+    # the mean count per (row, head): exact in fp32 whatever the order of the adds while B·H is a power of two
+    tl.atomic_add(COUNT, tl.sum((keep & ok).to(tl.float32), 0) * per_head, sem="relaxed")
+
+
+def block_positions(blocks: torch.Tensor, block_size: int, lengths: int | torch.Tensor, span: int = 0,
+                    sink: int = 0, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [B, H, nb] as padded token positions [B, H, nb·block_size], clipped to each row's sparse region
+    (lengths: an int, or per row [B] on the device), and their mean count per (row, head), in one launch (and the
+    count's zeroing). Same contract as block_positions_reference."""
+    B, H, nb = blocks.shape
+    out = torch.empty(B, H, nb * block_size, dtype=torch.int64, device=blocks.device)
+    count = torch.zeros((), dtype=torch.float32, device=blocks.device)
+    if out.numel() == 0:
+        return out, count
+    rows = isinstance(lengths, torch.Tensor)
+    if rows and (lengths.dim() != 1 or lengths.shape[0] not in (1, B) or lengths.device != blocks.device):
+        raise ValueError(f"lengths must be an int or an integer tensor [{B}] on {blocks.device}, "
+                         f"got {tuple(lengths.shape)} on {lengths.device}")
+    BLOCK = min(1024, triton.next_power_of_2(nb * block_size))
+    grid = (B * H, triton.cdiv(nb * block_size, BLOCK))
+    _block_positions_kernel[grid](
+        blocks, out, count, lengths if rows else out, lengths.stride(0) if rows and lengths.shape[0] > 1 else 0,
+        0 if rows else lengths, H, nb, span, sink, window, 1.0 / (B * H), blocks.stride(0), blocks.stride(1),
+        out.stride(0), out.stride(1), S=block_size, BLOCK=BLOCK, ROW_LENGTHS=rows, num_warps=4)
+    return out, count

@@ -60,6 +60,17 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
     return ref.sparse_decode_reference(q, keys, values, scale, softcap=softcap, **args)
 
 
+def block_positions(blocks: torch.Tensor, block_size: int, lengths: int | torch.Tensor, span: int = 0,
+                    sink: int = 0, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [B, H, nb] as the padded token positions a step reads of them (-1 outside each row's sparse region),
+    and their mean count per (row, head) (fp32, 0-dim, on the device)."""
+    if use_kernels(blocks.device):
+        from sparsekv.kernels.sparse_decode import block_positions as kernel
+
+        return kernel(blocks, block_size, lengths, span, sink, window)
+    return ref.block_positions_reference(blocks, block_size, lengths, span, sink, window)
+
+
 def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: int | torch.Tensor,
                  scale: float, span: int = 0, softcap: float | None = None) -> torch.Tensor:
     """One query per row over every valid key (the last `span` with a sliding window): split-K flash-decoding."""
@@ -133,9 +144,11 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
     return ref.quantize_pack_into_reference(x, thresholds, out_words, start, bits, transform)
 
 
-def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
+                  w2: torch.Tensor | None = None) -> torch.Tensor:
     """Spotlight's MLP hash sign(SiLU(x @ w1 + b1) @ w2) of x [B, H, n, D], packed as 1-bit codes: int16
-    [B, H, n, ceil(nbits / 16)] (kernels/hash_mlp.py). w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]."""
+    [B, H, n, ceil(nbits / 16)] (kernels/hash_mlp.py). w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]; without
+    b1 and w2 the linear hash sign(x @ w1), w1 [Hkv, D, nbits] (LSH)."""
     if use_kernels(x.device):
         from sparsekv.kernels.hash_mlp import mlp_hash_pack as kernel
 
@@ -143,7 +156,7 @@ def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch
     return ref.mlp_hash_pack_reference(x, w1, b1, w2)
 
 
-def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor | None,
                        out_words: torch.Tensor, start: int | torch.Tensor) -> None:
     """mlp_hash_pack written into out_words at [start, start + n) (start: an int or per-row device slots [B])."""
     if use_kernels(x.device):
@@ -174,7 +187,8 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
 
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int, metric: str,
-              pool: str | None, offset: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+              pool: str | None, offset: int = 0, keep: torch.Tensor | None = None,
+              bounds: ref.RowBounds | None = None) -> torch.Tensor | None:
     """The k nearest keys by code distance, counted in one fused pass (kernels/codes.py::code_topk), or None where
     that kernel does not run (the references, or distances too wide for its counting): rank `code_scores` with
     `topk` then, which chooses the same keys."""
@@ -186,16 +200,36 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     group = q_words.shape[1] // k_words.shape[1] if pool else 1
     if not code_topk_supported(d, bits, metric, group):
         return None
-    return kernel(q_words, k_words, length, d, k, bits=bits, metric=metric, pool=pool, offset=offset, keep=keep)
+    return kernel(q_words, k_words, length, d, k, bits=bits, metric=metric, pool=pool, offset=offset, keep=keep,
+                  bounds=bounds)
 
 
-def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max") -> torch.Tensor:
-    """Quest's page upper bounds of the first `n_pages` pages (kernels/quest.py)."""
+def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max",
+                region: ref.PageRegion | None = None) -> torch.Tensor:
+    """Quest's page upper bounds of the first `n_pages` pages, -inf outside `region` (kernels/quest.py)."""
     if use_kernels(q.device):
         from sparsekv.kernels.quest import page_scores as kernel
 
-        return kernel(q, bounds, n_pages, pool)
-    return ref.quest_scores_reference(q, bounds, n_pages, pool)
+        return kernel(q, bounds, n_pages, pool, region=region)
+    return ref.quest_region_scores_reference(q, bounds, n_pages, pool, region)
+
+
+def page_blocks(scores: torch.Tensor, pick: torch.Tensor, region: ref.PageRegion) -> torch.Tensor:
+    """The pages a Quest step attends: the top-k's picks as pages (-1 for -inf ones), then each row's newest."""
+    if use_kernels(scores.device):
+        from sparsekv.kernels.quest import page_blocks as kernel
+
+        return kernel(scores, pick, region)
+    return ref.quest_blocks_reference(scores, pick, region)
+
+
+def quest_append(bounds: torch.Tensor, k: torch.Tensor, pos: int | torch.Tensor, page_size: int) -> None:
+    """A decode step's new key [B, Hkv, 1, D] folded into its page's bounds in place."""
+    if use_kernels(k.device):
+        from sparsekv.kernels.quest import append_one as kernel
+
+        return kernel(bounds, k, pos, page_size)
+    return ref.quest_append_reference(bounds, k, pos, page_size)
 
 
 # -- the decode step's layer (kernels/layer_ops.py) ---------------------------------------------------------------

@@ -14,11 +14,11 @@ replayed at, with the positions outside the step's own region masked out on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from sparsekv.kernels.reference import check_positions, decode_positions
+from sparsekv.kernels.reference import RowBounds, check_positions, decode_positions
 
 from . import ops
 from .errors import SparseKVError
@@ -49,6 +49,8 @@ class Selection:
     span: int = 0  # the layer's sliding window (keys the newest one may see), 0 = all: start = length - span
     lengths: torch.Tensor | None = None  # [B] valid keys per row on the device: what the kernels read when given
     extent: int | None = None  # a graph-replayed step: kernel grids span this many cache slots, not `length`
+    _positions: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # memo
+    _count: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # blocks' memo
 
     @property
     def start(self) -> int:
@@ -74,6 +76,9 @@ class Selection:
             return 0
         if self.indices is not None and not self.padded:
             return self.indices.shape[-1]
+        if self.blocks is not None and self.indices is None:
+            self.sparse_positions()  # counted where the positions are made
+            return self._count
         return self.sparse_positions().ge(0).sum(-1).float().mean()
 
     @property
@@ -118,17 +123,16 @@ class Selection:
         """The sparse part as padded token positions [B, H, n] (-1 = none), whatever its form."""
         if self.indices is not None:
             return self.indices
-        if self.blocks is not None:
-            offs = torch.arange(self.block_size, device=self.blocks.device)
-            pos = self.blocks.unsqueeze(-1) * self.block_size + offs
-            lo, hi = self.start + self.sink, self.length - self.window  # blocks are clipped to the sparse region
-            if self.lengths is not None:  # each row's own region, read on the device
-                L = self.lengths.view(-1, 1, 1, 1).long()
-                lo, hi = window_start(L, self.span) + self.sink, L - self.window
-            pos = torch.where((self.blocks.unsqueeze(-1) >= 0) & (pos >= lo) & (pos < hi), pos, -1)
-            return pos.flatten(-2)
+        if self.blocks is not None:  # clipped to each row's sparse region (device lengths when given)
+            if self._positions is None:  # made once: the attention and the step's statistics both read them
+                lengths = self.lengths if self.lengths is not None else self.length
+                self._positions, self._count = ops.block_positions(self.blocks, self.block_size, lengths,
+                                                                   self.span, self.sink, self.window)
+            return self._positions
         if self.buckets is not None:
-            return _csr_positions(self)
+            if self._positions is None:
+                self._positions = _csr_positions(self)
+            return self._positions
         raise ValueError("selection has no sparse part")
 
 
@@ -210,14 +214,18 @@ class BudgetSplit:
             return self.lengths.view(-1, 1, 1).long()
         return torch.full((1, 1, 1), self.length, device=device)
 
+    def bounds(self) -> RowBounds | None:
+        """Each row's own region of [lo, hi) as the kernels take it (from the device lengths; no mask is built),
+        or None when the region is exact."""
+        if self.extent is None:
+            return None
+        return RowBounds(self.lengths.view(-1), self.span, self.sink, self.window, self.lo)
+
     def keep(self) -> torch.Tensor | None:
         """bool [B, 1, hi - lo]: which positions of [lo, hi) this step may choose (per batch row, from the device
         lengths), or None when the region is exact."""
-        if self.extent is None:
-            return None
-        pos = torch.arange(self.lo, self.hi, device=self.lengths.device).view(1, 1, -1)
-        L = self.row_lengths(pos.device)
-        return (pos >= window_start(L, self.span) + self.sink) & (pos < L - self.window)
+        b = self.bounds()
+        return None if b is None else b.mask(self.hi - self.lo)
 
     def masked(self, scores: torch.Tensor, worst: float | int) -> torch.Tensor:
         """`scores` [B, H, hi - lo] with the positions this step may not choose set to `worst`."""
@@ -303,5 +311,6 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
     k = min(split.k, hi - lo)
     if k <= 0:
         return split.selection()
-    idx = ops.code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits, metric, pool, offset=lo, keep=split.keep())
+    idx = ops.code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits, metric, pool, offset=lo,
+                        bounds=split.bounds())
     return None if idx is None else split.selection(indices=idx, padded=False)

@@ -9,6 +9,7 @@ import torch
 
 from sparsekv.kernels.codes import code_distance, code_topk, code_topk_supported
 from sparsekv.kernels.count_select import MAX_BITS, smallest_k, value_bits
+from sparsekv.kernels.reference import RowBounds
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -121,6 +122,29 @@ def test_code_topk_matches_distances(B, Hq, Hkv, D, bits, metric, pool, L, k, bl
     dist = code_distance(qw, kw[:, :, off:], L, D, bits, metric, pool=pool)
     assert got.shape == (B, dist.shape[1], k)
     assert torch.equal(got.cpu(), smallest_reference(dist, k, off))
+
+
+@pytest.mark.parametrize("bits,pool,span,sink,window", [
+    (2, "sum", 0, 2, 8),  # a full-attention layer: sink and window carved out of each row's own length
+    (1, None, 150, 1, 4),  # a sliding-window layer: each row starts at its length - span
+])
+def test_code_topk_row_bounds(bits, pool, span, sink, window):
+    """A graph step's per-row region applied inside the distance kernel (RowBounds, read from device lengths) chooses
+    what the bool mask of the same region does, rows of different lengths in one batch: keys outside come last."""
+    B, Hq, Hkv, D, n, lo = 3, 4, 2, 64, 400, 2
+    qw, kw = _codes(B, Hq, Hkv, n + lo, D, bits, 11 + span)
+    bounds = RowBounds(torch.tensor([402, 260, 40], dtype=torch.int32, device=DEV), span, sink, window, lo)
+    keep = bounds.mask(n)
+    start = max(0, 40 - span) if span else 0
+    assert keep.shape == (B, 1, n) and keep[2, 0].sum() == (40 - window) - max(lo, start + sink)
+    for k in (1, 90, n):
+        got = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, bounds=bounds, block_l=64, _chunk=128)
+        want = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, keep=keep, block_l=64, _chunk=128)
+        assert torch.equal(got.cpu(), want.cpu()), k
+    dist = code_distance(qw, kw[:, :, lo:], n, D, bits, pool=pool).masked_fill(~keep, 1 << 14)
+    assert torch.equal(got.cpu()[..., :50], smallest_reference(dist.cpu(), n, lo)[..., :50])
+    with pytest.raises(ValueError, match="bounds.lengths"):
+        code_topk(qw, kw, n, D, 5, bits, pool=pool, bounds=RowBounds(torch.tensor([1, 2], device=DEV)))
 
 
 def test_code_topk_ties_and_limits():

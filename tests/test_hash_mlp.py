@@ -72,6 +72,48 @@ def test_kernel_matches_reference(dtype, D, case):
     assert (words != ref).float().mean() <= 0.01  # whole words equal but for rare near-0 bits
 
 
+@pytest.mark.parametrize("nbits,M,block_k", [(128, 128, 32), (40, 48, 16)])
+@pytest.mark.parametrize("case", CASES[1:])
+def test_split_kernel_matches_reference(nbits, M, block_k, case):
+    """Hidden units split over programs (a decode step's launch): the partial sums, added by the last program to
+    arrive, give the reference's bits; repeated calls (the arrival counts reset themselves) give the same words, at
+    per-row device slots too."""
+    B, Hkv, G, n = case
+    w1, b1, w2 = _weights(Hkv, 64, M=M, nbits=nbits, seed=M)
+    x = torch.randn(B, Hkv * G, n, 64, generator=_gen(n + M)).to(DEV)
+    words = mlp_hash_pack(x, w1, b1, w2, split=True, block_k=block_k)
+    _check(words, x, w1, b1, w2)
+    assert torch.equal(mlp_hash_pack(x, w1, b1, w2, split=True, block_k=block_k), words)
+    out = torch.zeros(B, Hkv * G, n + 5, words.shape[-1], dtype=torch.int16, device=DEV)
+    mlp_hash_pack_into(x, w1, b1, w2, out, torch.tensor([3, 1][:B], dtype=torch.int32, device=DEV) if n == 1 else 1,
+                       split=True, block_k=block_k)
+    rows = out[:, :, 1:1 + n] if n > 1 else torch.stack([out[b, :, s] for b, s in enumerate([3, 1][:B])])[:, :, None]
+    assert torch.equal(rows, words)
+    with pytest.raises(ValueError, match="split needs"):
+        mlp_hash_pack(x, w1, b1, w2, split=True, block_k=256)
+
+
+@pytest.mark.parametrize("nbits", [128, 40, 7])
+@pytest.mark.parametrize("case", CASES)
+def test_linear_hash_kernel_matches_reference(nbits, case):
+    """Without b1 and w2 the kernel is LSH's linear hash sign(x @ w1), one program per 32 bits: the same bits as the
+    reference's projection, written at per-row device slots too."""
+    B, Hkv, G, n = case
+    w1 = (torch.randn(Hkv, 64, nbits, generator=_gen(nbits)) / 8).to(DEV)
+    x = torch.randn(B, Hkv * G, n, 64, generator=_gen(n + G + nbits)).to(DEV)
+    words = mlp_hash_pack(x, w1)
+    y = _check(words, x, w1, None, None)
+    assert torch.equal(y, torch.einsum("bhnd,hdm->bhnm", x.cpu().view(B, Hkv, G * n, 64), w1.cpu()).reshape(y.shape))
+    out = torch.zeros(B, Hkv * G, n + 9, words.shape[-1], dtype=torch.int16, device=DEV)
+    slots = torch.tensor([4, 9][:B], dtype=torch.int32, device=DEV) if n == 1 else 2
+    mlp_hash_pack_into(x, w1, None, None, out, slots)
+    want = torch.zeros_like(out)
+    mlp_hash_pack_into_reference(x, w1, None, None, want, slots)
+    assert (out != want).float().mean() <= 0.01 and want.any()
+    with pytest.raises(ValueError, match="b1 and w2 together"):
+        mlp_hash_pack(x, w1, w1[:, 0])
+
+
 def test_reference_is_the_linear_codes_of_the_mlp_output():
     """The reference's packing is exactly quantize_pack_reference(y, (0,), bits=1, transform=False): the `lsh`
     method's layout, which code_scores / code_topk score."""

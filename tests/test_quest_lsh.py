@@ -9,7 +9,7 @@ import torch
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
 from sparsekv.methods import CacheShape, get_method
-from sparsekv.methods.lsh import pack_signs
+from sparsekv.kernels.reference import quantize_pack_reference
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel path: the GPU, else the interpreter
 
@@ -205,7 +205,8 @@ def test_lsh_incremental_codes_equal_scratch(nbits):
     m = get_method("lsh", budget=32, nbits=nbits)
     st = build(m, keys, PREFILL_THEN_DECODE)
     assert st.codes.shape[-1] == -(-nbits // 16)
-    scratch = pack_signs(torch.einsum("bhnd,hdm->bhnm", keys, st.proj))
+    scratch = quantize_pack_reference(torch.einsum("bhnd,hdm->bhnm", keys, st.proj), torch.zeros(1), bits=1,
+                                      transform=False)  # sign bits, packed as 1-bit codes
     assert torch.equal(st.codes[:, :, :77], scratch)
 
 
@@ -354,5 +355,5 @@ def test_bench_rows():
     assert quest["method_config"]["page_size"] == 16 and lsh["method_config"]["nbits"] == 128
     D, Hkv = 64, 3
     assert quest["bytes"]["select"] == B * Hkv * (L // 16) * 2 * D * 4  # max and min of each page
-    # 128 bits = 8 int16 words per key, the hyperplanes the query is hashed with and its sign threshold (fp32)
-    assert lsh["bytes"]["select"] == B * Hkv * L * 8 * 2 + Hkv * D * 128 * 4 + 4
+    # 128 bits = 8 int16 words per key and the hyperplanes the query is hashed with (fp32)
+    assert lsh["bytes"]["select"] == B * Hkv * L * 8 * 2 + Hkv * D * 128 * 4

@@ -4,8 +4,8 @@ shapes, fp32/fp16: the interpreter cannot do bf16) and, when a GPU is present, a
 import pytest
 import torch
 
-from sparsekv.kernels.reference import qk_logits_reference, sparse_decode_reference
-from sparsekv.kernels.sparse_decode import dense_decode, qk_logits, sparse_decode
+from sparsekv.kernels.reference import block_positions_reference, qk_logits_reference, sparse_decode_reference
+from sparsekv.kernels.sparse_decode import block_positions, dense_decode, qk_logits, sparse_decode
 from sparsekv.selection import Selection
 
 CUDA = torch.cuda.is_available()
@@ -341,3 +341,16 @@ def test_a_row_rounds_as_it_would_alone():
         alone = sparse_decode(q[rows], k[rows, :, :cap], v[rows, :, :cap], 0.1, lens[rows], idx[rows], sink=4,
                               window=16)
         assert torch.equal(alone, batch_sparse[rows])
+
+
+@pytest.mark.parametrize("span,sink,window", [(0, 0, 0), (0, 2, 7), (40, 1, 3)])
+def test_block_positions_match_reference(span, sink, window):
+    """Blocks (Quest's pages, -1 pads) as the positions a step reads, clipped to each row's region: one host length,
+    and per-row device lengths (a row shorter than some of its blocks)."""
+    g = torch.Generator().manual_seed(span + window)
+    blocks = torch.randint(-1, 12, (3, 2, 5), generator=g).to(DEV)
+    for lengths in (90, torch.tensor([90, 33, 7], device=DEV)):
+        got, count = block_positions(blocks, 8, lengths, span, sink, window)
+        want, want_count = block_positions_reference(blocks, 8, lengths, span, sink, window)
+        assert got.shape == (3, 2, 40) and torch.equal(got, want) and (got == -1).any() and (got >= 0).any()
+        torch.testing.assert_close(count, want_count)  # 6 (row, head) pairs: fp32 sums of sixths

@@ -6,9 +6,10 @@ with: H(x) = sign(x R) with R in R^{d x nbits}. `append` hashes every post-RoPE 
 the bits 16 per int16 beside K/V; at a decode step the query is hashed with the same R and the keys whose codes are
 closest in Hamming distance are attended (eq. 3: matching bits counted, which is nbits - Hamming).
 
-A 1-bit code with threshold 0 and the L1 distance of 1-bit codes are exactly what the Adamas kernels compute with
-bits=1, no transform, thresholds (0,): the projection is a matmul, then `kernels/codes.py` packs and scores (its
-1-bit path is xor + popcount; the torch references of `kernels/reference.py` off the GPU). No second Hamming kernel.
+The codes are Spotlight's layout (1-bit codes, 16 per int16): hashed by the linear case of its hash kernel
+(kernels/hash_mlp.py: sign(x R) and the bit-pack in one pass), scored by the Adamas kernels with bits=1
+(`kernels/codes.py`: xor + popcount; the torch references of `kernels/reference.py` off the GPU). No second
+Hamming kernel.
 
 Defaults and where they come from:
 - nbits 128: Spotlight's code length, for which its linear-hashing baseline is evaluated ("the same hash code length
@@ -35,8 +36,6 @@ from typing import Any
 
 import torch
 
-from sparsekv.kernels.reference import quantize_pack_reference
-
 from .. import ops
 from ..errors import SparseKVError
 from ..pooling import Pooling
@@ -44,13 +43,11 @@ from .base import CacheShape, register
 from .hashing import HashSelect, HashState
 
 PROJECTIONS = ("rotation", "gaussian")
-SIGN = torch.zeros(1)  # the one threshold of a 1-bit code: bit = 1[x·r > 0]
 
 
 @dataclass
 class LSHState(HashState):
     proj: torch.Tensor | None = None  # fp32 [Hkv, D, nbits]: this layer's hyperplanes, one set per KV head
-    sign: torch.Tensor | None = None  # fp32 [1]: the threshold 0, on the state's device (no copy inside a graph)
 
 
 @register
@@ -75,19 +72,16 @@ class LSH(HashSelect):
         codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
                             device=shape.device)
         proj = self.hyperplanes(layer, shape.kv_heads, shape.head_dim).to(shape.device)
-        return LSHState(codes=codes, proj=proj, sign=torch.zeros(1, device=shape.device))
+        return LSHState(codes=codes, proj=proj)
 
     def append(self, state: LSHState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
-        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer (eq. 4)."""
-        x = torch.einsum("bhnd,hdm->bhnm", k.float(), state.proj)
-        ops.quantize_pack_into(x, state.sign, state.codes, pos, bits=1, transform=False)
+        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer (eq. 4): projection, sign and
+        bit-pack in one pass (the linear case of the hash kernel Spotlight's MLP uses)."""
+        ops.mlp_hash_pack_into(k, state.proj, None, None, state.codes, pos)
 
     def query_words(self, state: LSHState, q: torch.Tensor) -> torch.Tensor:
         """The queries' packed sign bits [B, Hq, 1, W]: H(q) = sign(q R) with their KV head's hyperplanes."""
-        B, Hq, _, D = q.shape
-        Hkv = state.codes.shape[1]
-        x = torch.einsum("bhgd,hdm->bhgm", q.float().view(B, Hkv, Hq // Hkv, D), state.proj)
-        return ops.quantize_pack(x.reshape(B, Hq, 1, self.nbits), state.sign, bits=1, transform=False)
+        return ops.mlp_hash_pack(q, state.proj)
 
     def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
         """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""
@@ -106,7 +100,3 @@ class LSH(HashSelect):
         cfg.update(nbits=self.nbits, seed=self.seed, projection=self.projection)
         return cfg
 
-
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """Projections [..., nbits] -> packed sign bits int16 [..., ceil(nbits / 16)] (torch reference of the kernel)."""
-    return quantize_pack_reference(x, SIGN, bits=1, transform=False)

@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 
+from sparsekv.kernels.reference import PageRegion, RowBounds
+
 from .. import ops
 from ..errors import SparseKVError
-from ..patterns import window_start
 from ..pooling import Pooling
 from ..selection import BudgetSplit, Selection
 from .base import CacheShape, LayerState, Method, register
@@ -90,24 +91,10 @@ class Quest(Method):
             return
         S = self.page_size
         M, m = state.page_max, state.page_min
-        if not isinstance(pos, int):  # a decode step with device write slots [B]: one key per row
-            rows, page = torch.arange(B, device=k.device), pos.long() // S
-            fresh = (pos.long() % S == 0).view(B, 1, 1)  # the first key of its page replaces the bounds
-            k1 = k[:, :, 0].to(M.dtype)
-            hi = torch.where(fresh, k1, torch.maximum(M[rows, :, page], k1))
-            lo = torch.where(fresh, k1, torch.minimum(m[rows, :, page], k1))
-            state.bounds[rows, :, page] = torch.cat((hi, lo), dim=-1)
+        if n == 1:  # a decode step (at a host position or at device write slots [B]): one key into its page
+            ops.quest_append(state.bounds, k, pos, S)
             return
         off, first = pos % S, pos // S
-        if n == 1:  # a decode step: one key into one page, in place
-            k1 = k[:, :, 0].to(M.dtype)
-            if off:
-                torch.maximum(M[:, :, first], k1, out=M[:, :, first])
-                torch.minimum(m[:, :, first], k1, out=m[:, :, first])
-            else:
-                M[:, :, first] = k1
-                m[:, :, first] = k1
-            return
         pages = (off + n + S - 1) // S
         tail = pages * S - off - n  # pad the chunk to whole pages with values that never win the max / min
         kmax = torch.nn.functional.pad(k, (0, 0, off, tail), value=float("-inf")).view(B, H, pages, S, D).amax(3)
@@ -133,38 +120,24 @@ class Quest(Method):
             return state.selection(sink=sink, window=b - sink)
         split = BudgetSplit(sink, window, k, False, n, state.pattern.span, state.lengths, state.extent)
         p_lo, p_hi = split.lo // S, -(-split.hi // S)  # pages overlapping [lo, hi): the kernel clips them to it
-        L = split.row_lengths(state.bounds.device)  # [B, 1, 1]
-        last = (L - 1) // S  # each row's newest key's page
-        blocks = []
+        lengths = split.lengths.view(-1) if split.lengths is not None else torch.full((1,), n, device=q.device)
+        rows = RowBounds(lengths, split.span, split.sink, split.window)
+        region = PageRegion(rows, S, p_lo, skip_last=self.auto_window)  # the newest page: attended anyway
         if k > 0 and p_hi > p_lo:
-            scores = self.page_scores(state, q, p_lo, p_hi)
-            ok = self._choosable(split, L, last, p_lo, p_hi)  # [B, 1, pages]
-            scores = scores.masked_fill(~ok, float("-inf"))
-            pick = ops.topk(scores, min(k, p_hi - p_lo))
-            chosen = torch.gather(scores, 2, pick) > float("-inf")  # fewer choosable pages than k: pad
-            blocks.append(torch.where(chosen, pick + p_lo, -1))
-        if self.auto_window:  # the page of the newest key, always attended (the authors' "last page")
+            scores = self.page_scores(state, q, p_lo, p_hi, region)
+            blocks = ops.page_blocks(scores, ops.topk(scores, min(k, p_hi - p_lo)), region)
+        elif self.auto_window:  # no page to choose: the newest page alone
             heads = q.shape[1] if self.pooling is Pooling.HEAD else state.bounds.shape[1]
-            H = blocks[0].shape[1] if blocks else heads
-            blocks.append(last.expand(q.shape[0], H, 1))
-        if not blocks:
+            blocks = ((rows.lengths.long() - 1) // S).view(-1, 1, 1).expand(q.shape[0], heads, 1)
+        else:
             return state.selection(sink=sink, window=window)
-        return state.selection(sink=sink, window=window, blocks=torch.cat(blocks, dim=-1), block_size=S)
+        return state.selection(sink=sink, window=window, blocks=blocks, block_size=S)
 
-    def _choosable(self, split: BudgetSplit, L: torch.Tensor, last: torch.Tensor, p_lo: int,
-                   p_hi: int) -> torch.Tensor:
-        """bool [B, 1, p_hi - p_lo]: pages overlapping this step's region [lo, hi) of rows of L keys [B, 1, 1], the
-        newest key's page (`last`) left out when it is attended anyway (auto window)."""
-        S = self.page_size
-        page = torch.arange(p_lo, p_hi, device=L.device).view(1, 1, -1)
-        ok = ((page + 1) * S > window_start(L, split.span) + split.sink) & (page * S < L - split.window)
-        if self.auto_window:
-            ok &= page != last
-        return ok
-
-    def page_scores(self, state: QuestState, q: torch.Tensor, p_lo: int, p_hi: int) -> torch.Tensor:
-        """Upper bounds of pages [p_lo, p_hi), fp32 [B, Hsel, pages]: pooling "group" takes the group's max."""
-        return ops.page_scores(q, state.bounds[:, :, p_lo:], p_hi - p_lo, self.pooling.kernel_pool("max"))
+    def page_scores(self, state: QuestState, q: torch.Tensor, p_lo: int, p_hi: int,
+                    region: PageRegion | None = None) -> torch.Tensor:
+        """Upper bounds of pages [p_lo, p_hi), fp32 [B, Hsel, pages]: pooling "group" takes the group's max; the
+        pages outside `region` (those a row may not choose) -inf."""
+        return ops.page_scores(q, state.bounds[:, :, p_lo:], p_hi - p_lo, self.pooling.kernel_pool("max"), region)
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
