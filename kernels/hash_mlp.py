@@ -2,9 +2,9 @@
 int16 word in the layout of the 1-bit codes (kernels/reference.py::code_pack_reference, bits=1), so that the Hamming
 kernels of `codes.py` (code_scores / code_topk with bits=1, metric "l1": xor + popcount) score them.
 
-mlp_hash_pack(_into)  one fused pass per (batch, KV head, block of rows): a program loads its rows of x (a KV head's
-                      keys, or the query heads of its GQA group: rows (g, i) flattened, so a decode step's queries
-                      read their KV head's weights once per program), then, per chunk of BLOCK_N output bits and of
+mlp_hash_pack(_into)  one fused pass per (KV head, block of rows): a program loads its rows of x (a KV head's
+                      keys, or the query heads of its GQA group, of every batch row: rows (b, g, i) flattened, so a
+                      decode step's queries read their KV head's weights once per program), then, per chunk of BLOCK_N output bits and of
                       BLOCK_K intermediate units, hid = SiLU(x @ W1[:, chunk] + b1[chunk]) (tl.dot, fp32
                       accumulate, bias and SiLU in fp32) and acc += hid @ W2[chunk, bits] (tl.dot): the
                       intermediate activations never leave registers. The bits 1[acc > 0], reshaped
@@ -30,7 +30,7 @@ depends only on shapes.
 Speed: part of spotlight's decode step (benchmarks/BENCHMARKS.md, "Speed of Spotlight and SAAP"). The default
 tiles were chosen from sm_90 compiles (ptxas -v) at D = M = nbits = 128 to avoid register spills and keep shared
 memory <= 128 KB: BLOCK_M 64 rows with 8 warps
-(16 rows, 4 warps below 64 rows: a decode step), BLOCK_K 64 intermediate units for 16-bit weights and 32 for fp32
+(16 or 32 rows, 4 warps below 64 rows: a decode step), BLOCK_K 64 intermediate units for 16-bit weights and 32 for fp32
 ones (fp32 tiles take twice the shared memory), BLOCK_N min(128, next_pow2(nbits)); 4 warps at 64 rows spill.
 
 Reference: kernels/reference.py::mlp_hash_pack_reference, mlp_hash_pack_into_reference (mlp_hash_reference: the
@@ -51,7 +51,7 @@ _PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 
 @triton.jit
-def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, Hkv, start,
+def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
                      stride_xb, stride_xh, stride_xn, stride_xd,
                      stride_1h, stride_1d, stride_1m, stride_bh, stride_bm, stride_2h, stride_2m, stride_2k,
                      stride_ob, stride_oh, stride_on,
@@ -60,20 +60,21 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, Hkv, start,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROW_START: tl.constexpr, LINEAR: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
-    bk = tl.program_id(1)
-    b = (bk // Hkv).to(tl.int64)
-    kv = bk % Hkv
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (g, i): query head kv·G + g, row i
-    r_ok = r < G * n
-    g = r // n
+    kv = tl.program_id(1)
+    # rows flattened (b, g, i): batch row b, query head kv·G + g, position i; a KV head's rows of every batch row
+    # share its weights, so a decode step of a batch reads them once per program, not once per batch row
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < B * G * n
+    b = (r // (G * n)).to(tl.int64)
+    g = (r // n) % G
     i = r % n
     h = (kv * G + g).to(tl.int64)
     if ROW_START:  # each batch row's first slot, read on the device (a graph-replayed decode step)
-        start = tl.load(START + b).to(tl.int64)
+        start = tl.load(START + b, mask=r_ok, other=0).to(tl.int64)
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < D
-    x = tl.load(X + b * stride_xb + h[:, None] * stride_xh + i[:, None] * stride_xn + dd[None, :] * stride_xd,
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(W1.dtype.element_ty)
+    x = tl.load(X + b[:, None] * stride_xb + h[:, None] * stride_xh + i[:, None] * stride_xn
+                + dd[None, :] * stride_xd, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(W1.dtype.element_ty)
     w1_base = W1 + kv * stride_1h
     b1_base = B1 + kv * stride_bh
     w2_base = W2 + kv * stride_2h
@@ -95,7 +96,7 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, Hkv, start,
         # the chunks' partial sums meet in scratch; the last chunk of this row block to finish adds them up in
         # chunk order (the same sum every run: no float atomics) and packs the bits
         MC: tl.constexpr = (M + BLOCK_K - 1) // BLOCK_K
-        blk = bk * tl.num_programs(0) + pid_m
+        blk = kv * tl.num_programs(0) + pid_m
         rows_ = tl.arange(0, BLOCK_M)
         tile = (blk * MC * BLOCK_M + rows_[:, None]) * BLOCK_N + cols[None, :]
         tl.store(SCR + tile + mc * (BLOCK_M * BLOCK_N), acc, cache_modifier=".cg")
@@ -203,8 +204,8 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     if n == 0 or B == 0:
         return
     G = H // Hkv
-    rows = G * n  # a program's rows: its KV head's query group x the n positions
-    BLOCK_M = block_m or (64 if rows >= 64 else 16)
+    rows = B * G * n  # a KV head's rows: every batch row's query group x the n positions
+    BLOCK_M = block_m or min(64, max(16, triton.next_power_of_2(rows)))
     linear = w2 is None
     BLOCK_K = block_k or max(16, min(32 if w1.dtype == torch.float32 else 64, triton.next_power_of_2(max(M, 1))))
     # a linear hash's chunks of bits are independent dots: 16 bits a program spreads a decode step's few rows
@@ -214,14 +215,14 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     m_blocks = triton.cdiv(rows, BLOCK_M)
     can_split = not linear and triton.next_power_of_2(nbits) <= BLOCK_N and M > BLOCK_K
     if split is None:  # too few programs to fill the GPU otherwise (a decode step: one row block per KV head)
-        split = can_split and x.is_cuda and m_blocks * B * Hkv < num_sms(x.device)
+        split = can_split and x.is_cuda and m_blocks * Hkv < num_sms(x.device)
     if split and not can_split:
         raise ValueError("split needs an MLP hash whose bits fit one chunk (block_n) and more than block_k units")
     chunks = triton.cdiv(M, BLOCK_K) if split else triton.cdiv(nbits, BLOCK_N)
-    scr, cnt = _split_scratch(x.device, m_blocks * B * Hkv, chunks, BLOCK_M, BLOCK_N) if split else (x, out_words)
+    scr, cnt = _split_scratch(x.device, m_blocks * Hkv, chunks, BLOCK_M, BLOCK_N) if split else (x, out_words)
     b1_, w2_ = (w1[:, 0], w1) if linear else (b1, w2)  # unread placeholders of a linear hash
-    _mlp_hash_kernel[(m_blocks, B * Hkv, chunks)](
-        x, w1, b1_, w2_, out_words, start if row_start else out_words, scr, cnt, n, G, Hkv,
+    _mlp_hash_kernel[(m_blocks, Hkv, chunks)](
+        x, w1, b1_, w2_, out_words, start if row_start else out_words, scr, cnt, n, G, B,
         0 if row_start else start,
         x.stride(0), x.stride(1), x.stride(2), x.stride(3),
         w1.stride(0), w1.stride(1), w1.stride(2), b1_.stride(0), b1_.stride(1), w2_.stride(0), w2_.stride(1),
