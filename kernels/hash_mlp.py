@@ -30,7 +30,7 @@ depends only on shapes.
 Speed: part of spotlight's decode step (benchmarks/BENCHMARKS.md, "Speed of Spotlight and SAAP"). The default
 tiles were chosen from sm_90 compiles (ptxas -v) at D = M = nbits = 128 to avoid register spills and keep shared
 memory <= 128 KB: BLOCK_M 64 rows with 8 warps
-(16 or 32 rows, 4 warps below 64 rows: a decode step), BLOCK_K 64 intermediate units for 16-bit weights and 32 for fp32
+(below 64 rows, a decode step: 16 rows, a linear hash up to 64, 4 warps), BLOCK_K 64 intermediate units for 16-bit weights and 32 for fp32
 ones (fp32 tiles take twice the shared memory), BLOCK_N min(128, next_pow2(nbits)); 4 warps at 64 rows spill.
 
 Reference: kernels/reference.py::mlp_hash_pack_reference, mlp_hash_pack_into_reference (mlp_hash_reference: the
@@ -205,7 +205,9 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
         return
     G = H // Hkv
     rows = B * G * n  # a KV head's rows: every batch row's query group x the n positions
-    BLOCK_M = block_m or min(64, max(16, triton.next_power_of_2(rows)))
+    # a linear hash takes up to 64 rows a program (a batch's decode rows of a KV head in one); an MLP keeps 16 below
+    # 64 rows, so that a batch's rows spread over more programs beside the split of its hidden units
+    BLOCK_M = block_m or (64 if rows >= 64 else min(64, max(16, triton.next_power_of_2(rows))) if w2 is None else 16)
     linear = w2 is None
     BLOCK_K = block_k or max(16, min(32 if w1.dtype == torch.float32 else 64, triton.next_power_of_2(max(M, 1))))
     # a linear hash's chunks of bits are independent dots: 16 bits a program spreads a decode step's few rows
