@@ -28,5 +28,7 @@ step adamas --method dense,adamas
 step adamas-ip-group --method dense,adamas --distance ip --pooling group --no-topk
 step adamas-ip-head --method dense,adamas --distance ip --pooling head --no-topk
 step adamas-ip-rerank4 --method dense,adamas --distance ip --pooling head --rerank 4 --no-topk
+step methods --method flashdecode,oracle,streaming,quest,lsh,adamas,spotlight,saap --no-topk
+step adamas-group --method flashdecode,adamas --pooling group --no-topk
 $sk bench --require-gpu --seq 8192 --shape llama3-8b --method dense,oracle,quest,adamas --distance ip --budget 128 \
     --json "$out/step-$tag-llama3-8b-8k-b128.json" "$@"

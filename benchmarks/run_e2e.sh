@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # BENCHMARKS.md "Whole-model decode speed": a random-weight Llama-3-8B decoding 32 tokens per method after a shared
-# prefill, at 32768 tokens (batch 1 and 8), then 131072 and 262144 (batch 1, chunked prefill). Needs a CUDA GPU with
-# about 50 GB of memory.
+# prefill, at 32768 tokens (batch 1 and 8), then 131072 and 262144 (batch 1, chunked prefill); Spotlight and SAAP
+# with untrained stand-ins. Needs a CUDA GPU with about 50 GB of memory.
 set -euo pipefail
 usage="usage: $(basename "$0") [OUT_DIR] [FLAG...]
   OUT_DIR  folder for the JSON (default: the folder of this script)
@@ -14,9 +14,11 @@ if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
 mkdir -p "$out"
 sk="${SPARSEKV:-sparsekv}"
 tag="${TAG:-h100}"
-methods=dense,streaming,oracle,quest,lsh,adamas
+methods=dense,streaming,oracle,quest,lsh,adamas,spotlight,saap
 
 $sk bench --e2e --require-gpu --shape llama3-8b --seq 32768 --batch 1,8 --method "$methods" --budget 2048 \
     --new-tokens 32 --json "$out/e2e-$tag-llama3-8b-32k.json" "$@"
-$sk bench --e2e --require-gpu --shape llama3-8b --seq 131072,262144 --method "$methods" --budget 2048 \
+$sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method "$methods" --budget 2048 \
+    --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k.json" "$@"
+$sk bench --e2e --require-gpu --shape llama3-8b --seq 262144 --method "$methods" --budget 2048 \
     --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-long.json" "$@"
