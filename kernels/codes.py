@@ -506,8 +506,8 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
               metric: str = "l1", *, pool: str | None = None, offset: int = 0, keep: torch.Tensor | None = None,
-              bounds: RowBounds | None = None, block_l: int | None = None, num_warps: int = 4, _chunk: int | None = None,
-              _tile: int | None = None) -> torch.Tensor:
+              bounds: RowBounds | None = None, block_l: int | None = None, num_warps: int = 4,
+              _chunk: int | None = None, _tile: int | None = None) -> torch.Tensor:
     """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
     in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`: a
     sampled window, one histogram pass and emit, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending

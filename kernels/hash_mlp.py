@@ -4,10 +4,10 @@ kernels of `codes.py` (code_scores / code_topk with bits=1, metric "l1": xor + p
 
 mlp_hash_pack(_into)  one fused pass per (KV head, block of rows): a program loads its rows of x (a KV head's
                       keys, or the query heads of its GQA group, of every batch row: rows (b, g, i) flattened, so a
-                      decode step's queries read their KV head's weights once per program), then, per chunk of BLOCK_N output bits and of
-                      BLOCK_K intermediate units, hid = SiLU(x @ W1[:, chunk] + b1[chunk]) (tl.dot, fp32
-                      accumulate, bias and SiLU in fp32) and acc += hid @ W2[chunk, bits] (tl.dot): the
-                      intermediate activations never leave registers. The bits 1[acc > 0], reshaped
+                      decode step's queries read their KV head's weights once per program), then, per chunk of
+                      BLOCK_N output bits and of BLOCK_K intermediate units, hid = SiLU(x @ W1[:, chunk] +
+                      b1[chunk]) (tl.dot, fp32 accumulate, bias and SiLU in fp32) and acc += hid @ W2[chunk, bits]
+                      (tl.dot): the intermediate activations never leave registers. The bits 1[acc > 0], reshaped
                       [rows, BLOCK_N / 16, 16], are shifted to their positions and summed into words, stored
                       straight into the code buffer at the given rows or per-row device slots.
                       A decode step has one row block per KV head: too few programs for a GPU, each a long
@@ -29,9 +29,9 @@ depends only on shapes.
 
 Speed: part of spotlight's decode step (benchmarks/BENCHMARKS.md, "Speed of Spotlight and SAAP"). The default
 tiles were chosen from sm_90 compiles (ptxas -v) at D = M = nbits = 128 to avoid register spills and keep shared
-memory <= 128 KB: BLOCK_M 64 rows with 8 warps
-(below 64 rows, a decode step: 16 rows, a linear hash up to 64, 4 warps), BLOCK_K 64 intermediate units for 16-bit weights and 32 for fp32
-ones (fp32 tiles take twice the shared memory), BLOCK_N min(128, next_pow2(nbits)); 4 warps at 64 rows spill.
+memory <= 128 KB: BLOCK_M 64 rows with 8 warps (below 64 rows, a decode step: 16 rows, a linear hash up to 64,
+4 warps), BLOCK_K 64 intermediate units for 16-bit weights and 32 for fp32 ones (fp32 tiles take twice the shared
+memory), BLOCK_N min(128, next_pow2(nbits)) (16 for a linear hash); 4 warps at 64 rows spill.
 
 Reference: kernels/reference.py::mlp_hash_pack_reference, mlp_hash_pack_into_reference (mlp_hash_reference: the
 pre-sign values).
@@ -205,10 +205,10 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
         return
     G = H // Hkv
     rows = B * G * n  # a KV head's rows: every batch row's query group x the n positions
-    # a linear hash takes up to 64 rows a program (a batch's decode rows of a KV head in one); an MLP keeps 16 below
-    # 64 rows, so that a batch's rows spread over more programs beside the split of its hidden units
-    BLOCK_M = block_m or (64 if rows >= 64 else min(64, max(16, triton.next_power_of_2(rows))) if w2 is None else 16)
     linear = w2 is None
+    # below 64 rows a linear hash takes them in one program (a batch's decode rows of a KV head); an MLP keeps 16
+    # a program, so that a batch's rows spread over more programs beside the split of its hidden units
+    BLOCK_M = block_m or (64 if rows >= 64 else max(16, triton.next_power_of_2(rows)) if linear else 16)
     BLOCK_K = block_k or max(16, min(32 if w1.dtype == torch.float32 else 64, triton.next_power_of_2(max(M, 1))))
     # a linear hash's chunks of bits are independent dots: 16 bits a program spreads a decode step's few rows
     # over more programs; an MLP's chunks would each recompute the hidden layer, so a few rows split its hidden

@@ -20,7 +20,8 @@ from sparsekv.saap.fit import fit_index, index_keys
 from sparsekv.saap.kmeans import clusters_for, spherical_kmeans
 from sparsekv.saap.lists import admit, admit_at, new_lists, record, slot_bases
 from sparsekv.saap.model import QueryModel, assign, model_probs, random_index
-from sparsekv.saap.objective import LongRange
+from sparsekv.offline.data import DumpExamples
+from sparsekv.saap.objective import LongRange, SaapObjective
 from sparsekv.selection import BudgetSplit
 from sparsekv.step import make_step
 
@@ -240,6 +241,24 @@ def test_targets_pair_earlier_keys_by_default_and_the_report_scores_causal_pairs
     assert causal["pairs"]["causal"] and not both["pairs"]["causal"]
     assert report["heldout"]["pairs"] == report_both["heldout"]["pairs"] == "causal"
     assert report_both["metrics"]["mean"] == report["metrics"]["mean"]  # the centroids scored on the same pairs
+
+
+def test_cached_targets_equal_the_ones_each_step_computes(dump):
+    """A query's target is fixed (frozen attention, fixed buckets): looked up from its sequence's targets computed
+    once, it equals the step's own computation, and so does the loss."""
+    data = DumpExamples(dump, [0, 1], pre_rope=True, with_post=True, holdout=0.2)
+    buckets = torch.randint(0, 8, (2, data.k.shape[1], data.k.shape[2]), generator=torch.Generator().manual_seed(4))
+    pats = [dump.patterns()[i] for i in (0, 1)]
+    make = lambda cache: SaapObjective(data, pats, buckets, 8, LongRange(8, 4), 16, seed=3, cache_targets=cache)
+    cached, fresh = make(True), make(False)
+    model = QueryModel(2, data.k.shape[1], data.head_dim, 16, 8)
+    for step in range(6):
+        ex = cached.sample(step)
+        (t1, k1), (t2, k2) = cached.step_targets(ex), fresh.step_targets(ex)
+        torch.testing.assert_close(t1, t2)
+        assert torch.equal(k1, k2)
+        torch.testing.assert_close(cached.loss(model, step), fresh.loss(model, step))
+    assert set(cached._cache) <= set(data.fit_seqs) and cached._cache and not fresh._cache
 
 
 def test_resume_reuses_the_centroids_and_ends_at_the_same_weights(dump, tmp_path):

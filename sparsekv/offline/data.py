@@ -29,6 +29,7 @@ class Example:
     # with DumpExamples(pre_rope=True, with_post=True): the post-RoPE q/k too, which the model's attention scores
     q_post: torch.Tensor | None = None
     k_post: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # the queries' indices into the dump's query rows (DumpExamples.example)
 
     def attention_qk(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The q/k whose products are the model's attention logits (post-RoPE)."""
@@ -86,7 +87,12 @@ class DumpExamples:
         lo, n = self.offsets[seq], self.lengths[seq]
         r = rows.to(self.device)
         post = {} if self.q_post is None else {"q_post": self.q_post[:, :, r], "k_post": self.k_post[:, :, lo : lo + n]}
-        return Example(self.q[:, :, r], self.k[:, :, lo : lo + n], self.q_pos[rows].to(self.device), seq, **post)
+        return Example(self.q[:, :, r], self.k[:, :, lo : lo + n], self.q_pos[rows].to(self.device), seq, **post,
+                       rows=rows)
+
+    def rows_of(self, seq: int) -> torch.Tensor:
+        """The query rows of sequence `seq` that take part (they see at least min_keys keys)."""
+        return self._rows[seq]
 
     def sample(self, seed: int, step: int, n_queries: int, keep: Callable[[Example], torch.Tensor] | None = None
                ) -> Example:

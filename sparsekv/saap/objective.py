@@ -30,6 +30,7 @@ faiss library's definition, 1 for equal buckets; the paper uses the term without
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -70,13 +71,46 @@ class Targets:
 
 class SaapObjective:
     """The Q-model's loss for a step and its held-out metrics, over the layers of a DumpExamples (pre-RoPE inputs
-    with post-RoPE copies for the attention) whose keys are bucketed by `buckets` [L, Hkv, T]."""
+    with post-RoPE copies for the attention) whose keys are bucketed by `buckets` [L, Hkv, T].
+
+    A query's target depends on the frozen LLM's attention and the fixed buckets alone, so it is the same at every
+    step that samples the query: the targets of a fit sequence's queries are computed once, when a step first
+    samples it, and looked up after (`cache_targets`; by default when all of them fit in a quarter of the free
+    memory of the data's device). Computing them (two attention passes per layer) is what a step otherwise costs."""
 
     def __init__(self, data: DumpExamples, patterns: Sequence[AttentionPattern], buckets: torch.Tensor,
-                 clusters: int, pairs: LongRange, queries_per_step: int, seed: int = 0):
+                 clusters: int, pairs: LongRange, queries_per_step: int, seed: int = 0,
+                 cache_targets: bool | None = None):
         self.data, self.patterns, self.buckets = data, list(patterns), buckets
         self.clusters, self.pairs = clusters, pairs
         self.queries_per_step, self.seed = queries_per_step, seed
+        self.cache_targets = self._fits() if cache_targets is None else cache_targets
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # seq -> (rows, t, keep)
+
+    def _fits(self) -> bool:
+        """Whether every fit query's targets (fp32 [L, Hq, C] each) take at most a quarter of the free memory."""
+        L, Hq = self.data.q.shape[:2]
+        n = sum(len(self.data.rows_of(s)) for s in self.data.fit_seqs)
+        need = 4 * L * Hq * n * self.clusters
+        dev = self.data.device
+        if dev.type == "cuda":
+            free = torch.cuda.mem_get_info(dev)[0]
+        else:
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return need <= free // 4
+
+    def step_targets(self, ex: Example) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t, keep) of a step's example, from the cache of its sequence's targets when caching."""
+        if not self.cache_targets or ex.rows is None:
+            tg = self.targets(ex)
+            return tg.t, tg.keep
+        if ex.seq not in self._cache:
+            rows = self.data.rows_of(ex.seq)
+            tg = self.targets(self.data.example(ex.seq, rows))
+            self._cache[ex.seq] = (rows.to(tg.t.device), tg.t, tg.keep)
+        rows, t, keep = self._cache[ex.seq]
+        cols = torch.searchsorted(rows, ex.rows.to(rows.device))  # the example's queries among the sequence's
+        return t[:, :, cols], keep[:, :, cols]
 
     def targets(self, ex: Example) -> Targets:
         """The targets of an example's queries, one layer at a time (a layer's logits are the largest tensor)."""
@@ -108,12 +142,12 @@ class SaapObjective:
         the heads (each keeps its own gradient)."""
         ex = self.sample(step)
         with torch.no_grad():
-            tg = self.targets(ex)
-        L, Hq, nq, C = tg.t.shape
+            t, keep = self.step_targets(ex)
+        L, Hq, nq, C = t.shape
         Hkv = ex.k.shape[1]
-        mask = tg.keep.reshape(L, Hkv, -1)  # rows (g, i) of each KV head's group
+        mask = keep.reshape(L, Hkv, -1)  # rows (g, i) of each KV head's group
         logits = model(ex.q.reshape(L, Hkv, -1, ex.q.shape[-1]), mask)
-        kl = kl_div(logits.reshape(L, Hq, nq, C), tg.t)
+        kl = kl_div(logits.reshape(L, Hq, nq, C), t)
         per_head = (kl.reshape(L, Hkv, -1) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return per_head.sum()
 
