@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -46,6 +46,7 @@ DtypeOpt = Annotated[str, typer.Option(callback=_kept(validate.dtype, "--dtype")
 DenseLayersOpt = Annotated[str, typer.Option(callback=_kept(lambda v, o: validate.csv(v, int, o, unique=True),
                                                              "--dense-layers"), help="layers kept dense, e.g. 0,1")]
 # the offline stages'
+ActsOpt = Annotated[Path, typer.Option(help="an activations dump folder (from `sparsekv dump`)")]
 DumpModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="check the dump was made with this model "
                                                      "(optional: the dump records its model)")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the interrupted run of the same command from its "
@@ -146,6 +147,30 @@ class _LoggedProgress(Progress):
 def _progress() -> Progress:
     return _LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            console=console, transient=False)
+
+
+def _dump(acts: Path, model: Optional[str], device: str, dtype: str = "auto"):
+    """An offline stage's dump: every file checked whole and from `model` (when given) before that model loads or
+    the fit starts, then loaded (with the model's patterns when given)."""
+    from .activations import load_activations
+
+    validate.dump(acts, model=model)
+    return load_activations(acts, _load(model, device, dtype) if model is not None else None)
+
+
+def _cell(key: str) -> Callable[[dict], str]:
+    return lambda x: f"{x[key]:.3f}"
+
+
+def _layer_table(t: Table, per_layer: list[dict], mean: dict, cells: dict[str, Callable[[dict], str]]) -> Table:
+    """An offline stage's report `t`: a row per layer ("layer" and the `cells`, each made from the layer's dict),
+    then the mean row below a line."""
+    for col in ("layer", *cells):
+        t.add_column(col, justify="right")
+    rows = [(str(x["layer"]), x) for x in per_layer] + [("mean", mean)]
+    for name, x in rows:
+        t.add_row(name, *(cell(x) for cell in cells.values()), end_section=name == rows[-2][0])
+    return t
 
 
 def _write_json(path: Optional[Path], payload) -> None:
@@ -402,7 +427,7 @@ def dump(
 
 @app.command()
 def calibrate(
-    acts: Annotated[Path, typer.Option(help="an activations dump folder (from `sparsekv dump`)")],
+    acts: ActsOpt,
     out: Annotated[Path, typer.Option(
         callback=_OUT, help="artifact root; the artifact goes to OUT/<model>/adamas/vN")] = Path(
         "artifacts"),
@@ -427,7 +452,6 @@ def calibrate(
     dtype: DtypeOpt = "auto",
 ):
     """Fit Adamas' bucket thresholds to a dump (recall of the exact top-k keys) and write them as an artifact."""
-    from .activations import load_activations
     from .calibrate import calibrate_adamas, check_options, save_calibration
 
     if method != "adamas":
@@ -437,9 +461,7 @@ def calibrate(
     scales = check_options(**{k: v for k, v in opts.items() if k != "hadamard"}, holdout=holdout,
                            max_queries=max_queries, query_scales=_csv(query_scales, float, "query-scales"))
     validate.cpu_stage_device(device, model)
-    validate.dump(acts, model=model)  # every file whole, from that model: before a model loads or the fit starts
-    lm = _load(model, device, dtype) if model is not None else None
-    data = load_activations(acts, lm)
+    data = _dump(acts, model, device, dtype)
     with _progress() as progress:
         thresholds, q_thresholds, report = calibrate_adamas(data, **opts, holdout=holdout, seed=seed,
                                                             max_queries=max_queries, query_scales=scales,
@@ -449,16 +471,13 @@ def calibrate(
     t = Table(title=f"adamas recall of the exact top-{budget} on held-out queries ({report['queries_heldout']} per "
                     f"KV head): paper thresholds {report['fixed_thresholds']} vs fitted ({per}; query scales "
                     f"{', '.join(f'{x:g}' for x in report['search']['query_scales'])})")
-    shared = "after_shared" in report["mean"]
-    for col in ("layer", "paper", "fitted", "gain", *(("fitted, shared",) if shared else ()), "fit set: paper",
-                "fit set: fitted"):
-        t.add_column(col, justify="right")
-    rows = [(str(x["layer"]), x) for x in report["layers"]] + [("mean", report["mean"])]
-    for name, x in rows:
-        t.add_row(name, f"{x['before']:.3f}", f"{x['after']:.3f}", f"{x['after'] - x['before']:+.3f}",
-                  *((f"{x['after_shared']:.3f}",) if shared else ()), f"{x['fit_before']:.3f}",
-                  f"{x['fit_after']:.3f}", end_section=name == rows[-2][0])
-    console.print(t)
+    cells = {"paper": lambda x: f"{x['before']:.3f}", "fitted": lambda x: f"{x['after']:.3f}",
+             "gain": lambda x: f"{x['after'] - x['before']:+.3f}"}
+    if "after_shared" in report["mean"]:
+        cells["fitted, shared"] = lambda x: f"{x['after_shared']:.3f}"
+    cells.update({"fit set: paper": lambda x: f"{x['fit_before']:.3f}",
+                  "fit set: fitted": lambda x: f"{x['fit_after']:.3f}"})
+    console.print(_layer_table(t, report["layers"], report["mean"], cells))
     _write_json(json_out, {"artifact": str(path), **report})
     console.print(f"wrote artifact {path}")
 
@@ -476,7 +495,7 @@ def _resumable(command: str):
 
 @app.command("train-hash")
 def train_hash(
-    acts: Annotated[Path, typer.Option(help="an activations dump folder (from `sparsekv dump`)")],
+    acts: ActsOpt,
     out: Annotated[Path, typer.Option(
         callback=_OUT, help="artifact root; the artifact goes to OUT/<model>/spotlight/vN")] = Path("artifacts"),
     layers: Annotated[str, typer.Option(help="layers to train, comma-separated (default: all)")] = "",
@@ -509,15 +528,12 @@ def train_hash(
 ):
     """Train Spotlight Attention's MLP hashes (one per layer and KV head, the paper's ranking loss) on a dump and
     write them as an artifact for `--method spotlight --artifact ...`."""
-    from .activations import load_activations
     from .train_hash import fit_hashes
 
     dev = validate.device(device)
     if not 0 < pruning < 1:
         raise SparseKVError(f"--pruning must be in (0, 1), got {pruning}")
-    validate.dump(acts, model=model)  # every file whole, from that model: before a model loads or training starts
-    lm = _load(model, dev, "auto") if model is not None else None
-    data = load_activations(acts, lm)
+    data = _dump(acts, model, dev)
     chosen = _csv(layers, int, "layers")
     with _progress() as progress, _resumable("train-hash"):
         path, report = fit_hashes(
@@ -530,19 +546,15 @@ def train_hash(
     cols = [k for k in ("linear_before", "linear_after", "mlp_before", "mlp_after") if k in iou["mean"]]
     t = Table(title=f"IoU with the exact top {100 * (1 - pruning):g} % of keys on held-out queries "
                     f"({report['heldout']['queries']}), {bits}-bit codes")
-    for col in ("layer", *(c.replace("_", " ").replace("mlp", "spotlight").replace("linear", "lsh") for c in cols)):
-        t.add_column(col, justify="right")
-    rows = [(str(x["layer"]), x) for x in iou["per_layer"]] + [("mean", iou["mean"])]
-    for name, x in rows:
-        t.add_row(name, *(f"{x[c]:.3f}" for c in cols), end_section=name == rows[-2][0])
-    console.print(t)
+    header = lambda c: c.replace("_", " ").replace("mlp", "spotlight").replace("linear", "lsh")
+    console.print(_layer_table(t, iou["per_layer"], iou["mean"], {header(c): _cell(c) for c in cols}))
     _write_json(json_out, {"artifact": str(path), **report})
     console.print(f"trained in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
 
 
 @app.command("index")
 def index(
-    acts: Annotated[Path, typer.Option(help="an activations dump folder (from `sparsekv dump`)")],
+    acts: ActsOpt,
     out: Annotated[Path, typer.Option(
         callback=_OUT, help="artifact root; the artifact goes to OUT/<model>/saap/vN")] = Path("artifacts"),
     method: Annotated[str, typer.Option(help="saap")] = "saap",
@@ -583,15 +595,12 @@ def index(
 ):
     """Fit SAAP's index to a dump: spherical k-means of the keys per layer and KV head (faiss), then the query model
     that ranks buckets (the paper's KL objective); written as an artifact for `--method saap --artifact ...`."""
-    from .activations import load_activations
     from .saap.fit import fit_index
 
     if method != "saap":
         raise SparseKVError(f"index supports: saap (got {method!r})")
     dev = validate.device(device)
-    validate.dump(acts, model=model)  # every file whole, from that model: before a model loads or the fit starts
-    lm = _load(model, dev, "auto") if model is not None else None
-    data = load_activations(acts, lm)
+    data = _dump(acts, model, dev)
     chosen = _csv(layers, int, "layers")
     with _progress() as progress, _resumable("index"):
         path, report = fit_index(
@@ -605,12 +614,8 @@ def index(
             if c in metrics["mean"]]
     t = Table(title=f"SAAP index on held-out queries ({report['heldout']['queries']}): {report['clusters']['used']} "
                     f"buckets, top-{metrics['probes']} buckets visited")
-    for col in ("layer", *cols):
-        t.add_column(col.replace("_", " "), justify="right")
-    rows = [(str(x["layer"]), x) for x in metrics["per_layer"]] + [("mean", metrics["mean"])]
-    for name, x in rows:
-        t.add_row(name, *(f"{x[c]:.3f}" for c in cols), end_section=name == rows[-2][0])
-    console.print(t)
+    console.print(_layer_table(t, metrics["per_layer"], metrics["mean"],
+                               {c.replace("_", " "): _cell(c) for c in cols}))
     b = report["buckets"]
     imb = b["imbalance"]
     console.print(f"bucket imbalance factor (held-out keys): mean {imb['mean']:.2f}, max {imb['max']:.2f}")
