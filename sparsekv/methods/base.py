@@ -112,10 +112,20 @@ class Method:
     @classmethod
     def stand_in(cls, budget: float, num_layers: int, kv_heads: int, head_dim: int, **options: Any) -> "Method":
         """The method for a speed run without its artifact (bench on random weights): fitted values do not change
-        the work a step does. A method that needs an artifact and cannot stand in without one refuses."""
+        the work a step does. A method that needs an artifact takes `untrained` values of its fitted state instead,
+        or refuses when it has none."""
         if cls.needs_artifact and options.get("artifact") is None:
-            raise SparseKVError(f"method {cls.name!r} needs a fitted artifact (--artifact)")
+            fitted = cls.untrained(num_layers, kv_heads, head_dim)
+            if fitted is None:
+                raise SparseKVError(f"method {cls.name!r} needs a fitted artifact (--artifact)")
+            options = {**options, **fitted}
         return cls(budget=budget, **options)
+
+    @classmethod
+    def untrained(cls, num_layers: int, kv_heads: int, head_dim: int) -> dict[str, Any] | None:
+        """Constructor arguments standing in for the artifact of a method that needs one (`stand_in`): random
+        fitted state of its paper's sizes, or None when it cannot stand in."""
+        return None
 
     # -- offline ---------------------------------------------------------------------------------------------
     def fit(self, acts: Any, cfg: Any) -> Any:

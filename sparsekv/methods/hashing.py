@@ -12,7 +12,7 @@ import torch
 
 from .. import ops
 from ..selection import Selection, code_selection, topk_selection
-from .base import LayerState, Method
+from .base import CacheShape, LayerState, Method
 
 
 @dataclass
@@ -24,6 +24,11 @@ class HashSelect(Method):
     """Base of the hashing methods: subclasses set `nbits` and implement `new_state`, `append`, `query_words`."""
 
     nbits: int = 0
+
+    def new_codes(self, shape: CacheShape) -> torch.Tensor:
+        """An empty code buffer: int16 [B, Hkv, max_len, ceil(nbits / 16)], 16 bits a word."""
+        return torch.zeros(shape.batch, shape.kv_heads, shape.max_len, -(-self.nbits // 16), dtype=torch.int16,
+                           device=shape.device)
 
     def query_words(self, state: HashState, q: torch.Tensor) -> torch.Tensor:
         """The queries' packed sign bits [B, Hq, 1, W]."""

@@ -68,9 +68,7 @@ class LSH(HashSelect):
             raise SparseKVError(f"lsh: unknown projection {projection!r}: use 'rotation' or 'gaussian'")
 
     def new_state(self, layer: int, shape: CacheShape) -> LSHState:
-        words = -(-self.nbits // 16)
-        codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
-                            device=shape.device)
+        codes = self.new_codes(shape)
         proj = self.hyperplanes(layer, shape.kv_heads, shape.head_dim).to(shape.device)
         return LSHState(codes=codes, proj=proj)
 

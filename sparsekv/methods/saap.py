@@ -132,14 +132,12 @@ class Saap(Method):
             raise SparseKVError(f"saap: probes must be in [1, {C}] (the index has {C} buckets), got {probes}")
 
     @classmethod
-    def stand_in(cls, budget: float, num_layers: int, kv_heads: int, head_dim: int, **options: Any) -> "Saap":
-        """Without an artifact: random centroids and an untrained Q-model of the paper's sizes (C 1024, hidden 1024;
-        speed does not depend on the weights)."""
-        if options.get("artifact") is not None:
-            return cls(budget=budget, **options)
+    def untrained(cls, num_layers: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+        """Random centroids and an untrained Q-model of the paper's sizes (C 1024, hidden 1024; speed does not depend
+        on the weights)."""
         from ..saap.model import random_index
 
-        return cls(budget=budget, index=random_index(num_layers, kv_heads, head_dim), **options)
+        return {"index": random_index(num_layers, kv_heads, head_dim)}
 
     def new_state(self, layer: int, shape: CacheShape) -> SaapState:
         buckets, ordinals, counts = new_lists(shape.batch, shape.kv_heads, shape.max_len, self.clusters,

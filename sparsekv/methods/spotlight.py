@@ -79,16 +79,12 @@ class Spotlight(HashSelect):
         self.layers = {int(x): i for i, x in enumerate(hashes["layers"].tolist())}
 
     @classmethod
-    def stand_in(cls, budget: float, num_layers: int, kv_heads: int, head_dim: int, **options: Any) -> "Spotlight":
-        """Without an artifact: untrained hashes of the paper's sizes (speed does not depend on the weights)."""
-        if options.get("artifact") is not None:
-            return cls(budget=budget, **options)
-        return cls(budget=budget, hashes=untrained_hashes(num_layers, kv_heads, head_dim), **options)
+    def untrained(cls, num_layers: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+        """Untrained hashes of the paper's sizes (speed does not depend on the weights)."""
+        return {"hashes": untrained_hashes(num_layers, kv_heads, head_dim)}
 
     def new_state(self, layer: int, shape: CacheShape) -> SpotlightState:
-        words = -(-self.nbits // 16)
-        codes = torch.zeros(shape.batch, shape.kv_heads, shape.max_len, words, dtype=torch.int16,
-                            device=shape.device)
+        codes = self.new_codes(shape)
         i = self.layers.get(layer)
         if i is None:  # a layer without a hash: fine if it is dense (append/select never run), else they say so
             return SpotlightState(codes=codes, layer=layer)
