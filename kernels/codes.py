@@ -51,6 +51,7 @@ import triton.language as tl
 from . import count_select
 from .hadamard import _prec, hadamard_signs
 from .reference import RowBounds, _per_word, hadamard_matrix
+from .region import window_first
 
 _POOLS = {None: 0, "sum": 1, "min": 2}
 
@@ -310,7 +311,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
     k_ok = keys < length
     if BOUNDS:  # the row's own region, from its device length: keys outside it get FILL (chosen last)
         L = tl.load(LENS + b).to(tl.int32)
-        first = tl.where(span > 0, tl.maximum(L - span, 0), 0) + sink  # the sliding window's first key, + sink
+        first = window_first(L, span) + sink
         pos = lo + keys
         inside = (pos >= first) & (pos < L - window)
     w = tl.arange(0, BLOCK_W)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .reference import PageRegion
+from .region import window_first
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _choosable(LENS, stride_l, b, page, span, sink, window, S, SKIP_LAST: tl.con
     """Which absolute pages overlap batch row b's region [start + sink, length - window) (and are not its newest
     page with SKIP_LAST), its length read on the device (PageRegion)."""
     L = tl.load(LENS + b * stride_l).to(tl.int32)
-    first = tl.where(span > 0, tl.maximum(L - span, 0), 0) + sink  # the sliding window's first key, + sink
+    first = window_first(L, span) + sink
     ok = ((page + 1) * S > first) & (page * S < L - window)
     if SKIP_LAST:
         ok = ok & (page != (L - 1) // S)

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .device import num_sms
 from .reference import check_positions, decode_positions, selection_heads
+from .region import window_first
 
 MODE_DENSE, MODE_INDICES = 0, 1
 _NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps exp(x - m) finite for chunks that read nothing
@@ -45,7 +46,7 @@ def _partial_kernel(
     kv = hs // (G // group_rows)  # the KV head of this selection head
     q_head0 = hs * group_rows  # first query row served by this program
     length = tl.load(LENS + b)
-    lo = tl.where(span > 0, tl.maximum(length - span, 0), 0)  # first key this row's query may see
+    lo = window_first(length, span)  # first key this row's query may see
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -263,7 +264,7 @@ def _block_positions_kernel(BLK, OUT, COUNT, LENS, stride_l, length, H, nb, span
     L = tl.full([], 0, tl.int64) + length
     if ROW_LENGTHS:
         L = tl.load(LENS + b * stride_l).to(tl.int64)
-    lo = tl.where(span > 0, tl.maximum(L - span, 0), 0) + sink
+    lo = window_first(L, span) + sink
     pos = blk * S + t % S
     keep = (blk >= 0) & (pos >= lo) & (pos < L - window)
     tl.store(OUT + b * stride_ob + h * stride_oh + t, tl.where(keep, pos, -1), mask=ok)

@@ -1,0 +1,11 @@
+"""The one device-side rule every kernel uses for the keys a row may see (reference: sparsekv.patterns.window_start,
+kernels/reference.py::RowBounds)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def window_first(length, span):
+    """First key the newest of `length` keys may see under a sliding window of `span` keys (0: every key)."""
+    return tl.where(span > 0, tl.maximum(length - span, 0), 0)
