@@ -94,16 +94,17 @@ class DumpExamples:
         """The query rows of sequence `seq` that take part (they see at least min_keys keys)."""
         return self._rows[seq]
 
-    def sample(self, seed: int, step: int, n_queries: int, keep: Callable[[Example], torch.Tensor] | None = None
-               ) -> Example:
+    def sample(self, seed: int, step: int, n_queries: int,
+               keep: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Example:
         """Step `step`'s example: a fit sequence and up to `n_queries` of its queries, drawn from (seed, step).
-        `keep(example) -> bool [nq]`: a filter on the candidates (SAAP keeps long-range queries only)."""
+        `keep(q_pos, n_keys) -> bool [nq]`: a filter on the candidates from their positions and the sequence's key
+        count (SAAP keeps long-range queries only)."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         seqs = [s for s in self.fit_seqs if len(self._rows[s])]
         seq = seqs[int(torch.randint(len(seqs), (1,), generator=g))]
         rows = self._rows[seq]
         if keep is not None:
-            rows = rows[keep(self.example(seq, rows)).cpu()]
+            rows = rows[keep(self.q_pos[rows].to(self.device), int(self.lengths[seq])).cpu()]
             if not len(rows):
                 rows = self._rows[seq]
         pick = rows[torch.randperm(len(rows), generator=g)[:n_queries].sort().values]

@@ -135,7 +135,7 @@ class SaapObjective:
     def sample(self, step: int) -> Example:
         """Step `step`'s example: queries of one fit sequence that have long-range keys at all."""
         return self.data.sample(self.seed, step, self.queries_per_step,
-                                keep=lambda e: self.pairs.masks(e.q_pos, e.k.shape[2])[1].any(-1))
+                                keep=lambda q_pos, nk: self.pairs.masks(q_pos, nk)[1].any(-1))
 
     def loss(self, model: QueryModel, step: int) -> torch.Tensor:
         """Eq. 1 for step `step`: each KV head's model's mean KL over its group's long-range queries; summed over
