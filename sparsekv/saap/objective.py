@@ -76,7 +76,9 @@ class SaapObjective:
     A query's target depends on the frozen LLM's attention and the fixed buckets alone, so it is the same at every
     step that samples the query: the targets of a fit sequence's queries are computed once, when a step first
     samples it, and looked up after (`cache_targets`; by default when all of them fit in a quarter of the free
-    memory of the data's device). Computing them (two attention passes per layer) is what a step otherwise costs."""
+    memory of the data's device). Computing them (two attention passes per layer) is what a step otherwise costs.
+    Cached targets are kept in bf16 (half the memory and half the bytes a step gathers; a share of attention to
+    three significant digits), their KL constants Σ t log t and Σ t in fp32 from the exact values."""
 
     def __init__(self, data: DumpExamples, patterns: Sequence[AttentionPattern], buckets: torch.Tensor,
                  clusters: int, pairs: LongRange, queries_per_step: int, seed: int = 0,
@@ -85,13 +87,13 @@ class SaapObjective:
         self.clusters, self.pairs = clusters, pairs
         self.queries_per_step, self.seed = queries_per_step, seed
         self.cache_targets = self._fits() if cache_targets is None else cache_targets
-        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # seq -> (rows, t, keep)
+        self._cache: dict[int, tuple[torch.Tensor, ...]] = {}  # seq -> (rows, t, keep, Σ t log t, Σ t)
 
     def _fits(self) -> bool:
-        """Whether every fit query's targets (fp32 [L, Hq, C] each) take at most a quarter of the free memory."""
+        """Whether every fit query's targets (bf16 [L, Hq, C] each) take at most a quarter of the free memory."""
         L, Hq = self.data.q.shape[:2]
         n = sum(len(self.data.rows_of(s)) for s in self.data.fit_seqs)
-        need = 4 * L * Hq * n * self.clusters
+        need = 2 * L * Hq * n * self.clusters
         dev = self.data.device
         if dev.type == "cuda":
             free = torch.cuda.mem_get_info(dev)[0]
@@ -99,18 +101,19 @@ class SaapObjective:
             free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return need <= free // 4
 
-    def step_targets(self, ex: Example) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t, keep) of a step's example, from the cache of its sequence's targets when caching."""
+    def step_targets(self, ex: Example) -> tuple[torch.Tensor, ...]:
+        """(t, keep, Σ t log t, Σ t) of a step's example (the last two per query: the constant part of its KL, and
+        1 where it has long-range keys, else 0), from the cache of its sequence's targets when caching."""
         if not self.cache_targets or ex.rows is None:
             tg = self.targets(ex)
-            return tg.t, tg.keep
+            return (tg.t, tg.keep, *target_sums(tg.t))
         if ex.seq not in self._cache:
             rows = self.data.rows_of(ex.seq)
             tg = self.targets(self.data.example(ex.seq, rows))
-            self._cache[ex.seq] = (rows.to(tg.t.device), tg.t, tg.keep)
-        rows, t, keep = self._cache[ex.seq]
+            self._cache[ex.seq] = (rows.to(tg.t.device), tg.t.to(torch.bfloat16), tg.keep, *target_sums(tg.t))
+        rows, *cached = self._cache[ex.seq]
         cols = torch.searchsorted(rows, ex.rows.to(rows.device))  # the example's queries among the sequence's
-        return t[:, :, cols], keep[:, :, cols]
+        return tuple(x[:, :, cols] for x in cached)
 
     def targets(self, ex: Example) -> Targets:
         """The targets of an example's queries, one layer at a time (a layer's logits are the largest tensor)."""
@@ -142,12 +145,12 @@ class SaapObjective:
         the heads (each keeps its own gradient)."""
         ex = self.sample(step)
         with torch.no_grad():
-            t, keep = self.step_targets(ex)
+            t, keep, tlogt, tsum = self.step_targets(ex)
         L, Hq, nq, C = t.shape
         Hkv = ex.k.shape[1]
         mask = keep.reshape(L, Hkv, -1)  # rows (g, i) of each KV head's group
         logits = model(ex.q.reshape(L, Hkv, -1, ex.q.shape[-1]), mask)
-        kl = kl_div(logits.reshape(L, Hq, nq, C), t)
+        kl = kl_div(logits.reshape(L, Hq, nq, C), t, tlogt, tsum)
         per_head = (kl.reshape(L, Hkv, -1) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return per_head.sum()
 
@@ -183,9 +186,19 @@ class SaapObjective:
         return {"queries": n, **{k: v / n.clamp(min=1) for k, v in sums.items()}}
 
 
-def kl_div(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """KL(t || softmax(logits)) over the last dim: Σ t (log t - log_softmax), 0 log 0 = 0."""
-    return (torch.xlogy(t, t) - t * torch.log_softmax(logits, -1)).sum(-1)
+def kl_div(logits: torch.Tensor, t: torch.Tensor, tlogt: torch.Tensor | None = None,
+           tsum: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(t || softmax(logits)) over the last dim: Σ t (log t - log_softmax) = Σ t log t + logsumexp · Σ t - Σ t ·
+    logits, 0 log 0 = 0. tlogt, tsum: Σ t log t and Σ t when known (the cached targets'): the logits then take a
+    logsumexp and one product with t, no [.., C] log-softmax."""
+    if tlogt is None or tsum is None:
+        tlogt, tsum = target_sums(t)
+    return tlogt + torch.logsumexp(logits, -1) * tsum - (t * logits).sum(-1)
+
+
+def target_sums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ t log t and Σ t over the last dim (0 log 0 = 0): the parts of a KL that depend on the target alone."""
+    return torch.xlogy(t, t).sum(-1), t.sum(-1)
 
 
 def visited(scores: torch.Tensor, kv_heads: int, probes: int, clusters: int) -> torch.Tensor:
