@@ -585,7 +585,10 @@ def index(
                                                   "clusters / 32)")] = None,
     holdout: Annotated[float, typer.Option(help="share of the dump's sequences held out for the report")] = 0.1,
     heldout_queries: Annotated[int, typer.Option(help="held-out queries the report is measured on")] = 1000,
-    eval_every: Annotated[int, typer.Option(help="held-out KL every N iterations (0: iters / 8)")] = 0,
+    eval_every: Annotated[int, typer.Option(help="held-out KL every N iterations (0: iters / 16)")] = 0,
+    patience: Annotated[int, typer.Option(help="stop after this many held-out evaluations without a lower KL and "
+                                          "keep the best one's weights (0: train every iteration, keep the "
+                                          "last)")] = 2,
     checkpoint_every: CheckpointEveryOpt = 1000,
     resume: ResumeOpt = False,
     seed: Annotated[int, typer.Option()] = 0,
@@ -607,7 +610,7 @@ def index(
             data, out, resume=resume, progress=progress, layers=chosen or None, clusters=clusters,
             kmeans_iters=kmeans_iters, space=space, query_model=query_model, hidden=hidden, iters=iters, lr=lr,
             queries_per_step=queries_per_step, gap=gap, min_range=min_range, causal=causal, sink=sink, probes=probes,
-            holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every,
+            holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every, patience=patience,
             checkpoint_every=checkpoint_every, seed=seed, device=dev)
     metrics = report["metrics"]
     cols = [c for c in ("kl_before", "kl", "hit_centroids", "hit", "mass_centroids", "mass")

@@ -248,7 +248,10 @@ def test_learned_stages_write_artifacts_their_methods_run(inputs, tmp_path):
     assert r.returncode == 0, r.stderr
     th, ix = (json.loads((tmp_path / f).read_text()) for f in ("th.json", "ix.json"))
     assert th["train"]["steps"] == 4 and set(th["iou"]["mean"]) == {"mlp_before", "mlp_after", "linear_before"}
-    assert ix["clusters"]["used"] == 4 and ix["train"]["steps"] == 4 and "imbalance" in ix["buckets"]
+    # the index evaluates every iteration here (iters / 16 < 1) and keeps its best one: 2 worse ones in a row stop it
+    assert ix["clusters"]["used"] == 4 and 2 < ix["train"]["steps"] <= 4 and "imbalance" in ix["buckets"]
+    kept = ix["train"]["kept"]
+    assert kept["by"] == "kl" and kept["value"] == min(m["kl"] for _, m in ix["train"]["heldout_curve"])
     assert not list((tmp_path / "art").rglob(".train-*"))
     for method, art, extra in (("spotlight", th["artifact"], []), ("saap", ix["artifact"], ["--window", "8"])):
         r = sparsekv(*RECALL[:-4], "--method", method, "--budget", "32", "--artifact", art, "--acts",

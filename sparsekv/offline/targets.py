@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from ..patterns import AttentionPattern
+from .precision import tf32_matmul
 
 
 def visible(q_pos: torch.Tensor, nk: int, spans: Sequence[int]) -> torch.Tensor:
@@ -38,7 +39,8 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, patte
     Hkv, nk = k.shape[1], k.shape[2]
     g = Hq // Hkv
     vis = visible(q_pos, nk, [p.span for p in patterns]) if mask is None else mask
-    logits = torch.einsum("lhgqd,lhkd->lhgqk", q.float().view(L, Hkv, g, nq, D), k.float())
+    with tf32_matmul(False):  # exact: a training loop may have TF32 on for its model
+        logits = torch.einsum("lhgqd,lhkd->lhgqk", q.float().view(L, Hkv, g, nq, D), k.float())
     scale = torch.tensor([p.scaling or D ** -0.5 for p in patterns], device=q.device).view(L, 1, 1, 1, 1)
     logits = logits * scale
     caps = [p.softcap for p in patterns]

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import SparseKVError
 from ..progress import Ticker
+from .precision import tf32_matmul
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -47,6 +48,9 @@ class TrainConfig:
     eval_every: int = 0  # held-out metric every N steps (0: at the end only)
     seed: int = 0
     tf32: bool = True  # fp32 matrix products on TF32 tensor cores while training on CUDA (no effect on the CPU)
+    best_by: str = ""  # a held-out metric: the run ends with the weights of its best evaluation ("" : the last ones)
+    best_mode: str = "min"  # "min" or "max": which values of best_by are better
+    patience: int = 0  # with best_by: stop after this many evaluations without a better value (0: run every step)
 
     def check(self) -> None:
         if self.iters < 1:
@@ -57,6 +61,9 @@ class TrainConfig:
             raise SparseKVError("warmup, checkpoint_every and eval_every must be >= 0")
         if self.optimizer not in ("adamw", "adam"):
             raise SparseKVError(f"optimizer must be adamw or adam, got {self.optimizer!r}")
+        if self.best_mode not in ("min", "max") or self.patience < 0 or (self.patience and not self.best_by):
+            raise SparseKVError(f"--patience must be >= 0 and needs a held-out metric to follow; best_mode min or "
+                                f"max (got patience {self.patience}, best_by {self.best_by!r}, {self.best_mode!r})")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up over `warmup` steps, then cosine from lr to min_lr at the last step."""
@@ -74,11 +81,16 @@ class TrainResult:
     resumed_from: int  # 0: a fresh run
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss over the steps since the last)
     evals: list[tuple[int, dict]] = field(default_factory=list)  # (step, held-out metrics)
+    best: dict | None = None  # with best_by: {"by", "step", "value"} of the weights the run ended with
+    stopped_early: bool = False  # patience ran out before the last step
 
     def report(self) -> dict:
-        return {"steps": self.steps, "seconds": round(self.seconds, 2), "resumed_from": self.resumed_from,
-                "loss_curve": [[s, round(v, 6)] for s, v in self.losses],
-                "heldout_curve": [[s, m] for s, m in self.evals]}
+        out = {"steps": self.steps, "seconds": round(self.seconds, 2), "resumed_from": self.resumed_from,
+               "loss_curve": [[s, round(v, 6)] for s, v in self.losses],
+               "heldout_curve": [[s, m] for s, m in self.evals]}
+        if self.best is not None:
+            out.update(kept=self.best, stopped_early=self.stopped_early)
+        return out
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -99,60 +111,80 @@ def train(model: torch.nn.Module, loss_at: Callable[[int], torch.Tensor], cfg: T
 
     checkpoint_dir: where `checkpoint.pt` goes (every `cfg.checkpoint_every` steps, at the end, and on an
     interrupt); `resume`: continue from it (refused if its identity differs); `evaluate()`: held-out metrics,
-    every `cfg.eval_every` steps and at the end; `show`: the key of the metric shown beside the loss in progress.
+    every `cfg.eval_every` steps and at the end, in full fp32; `show`: the key of the metric shown beside the loss
+    in progress. With `cfg.best_by` the model ends with the weights of the best evaluation, and with `cfg.patience`
+    the run stops once that many evaluations in a row did not improve on it (a small dump overfits long before
+    a paper's iteration count).
     """
     cfg.check()
     opt = make_optimizer(model, cfg)
     ident = {"train": _plain(asdict(cfg)), **(identity or {})}
     ckpt = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir is not None else None
-    start, losses, evals, before = 0, [], [], 0.0
+    start, losses, evals, before, best = 0, [], [], 0.0, None
     if resume:
         if ckpt is None or not ckpt.exists():
             raise SparseKVError(f"--resume: no checkpoint at {ckpt or '(no checkpoint folder)'}; run without --resume")
-        start, losses, evals, before = _load(ckpt, model, opt, ident)
+        start, losses, evals, before, best = _load(ckpt, model, opt, ident)
     tick = Ticker(progress, cfg.iters, label)
     tick.advance(start)
     t0, window, since = time.perf_counter(), 0.0, 0
-    step = start
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    # a resumed run whose patience had run out stops where it did
+    step, stop = start, bool(best and cfg.patience and sum(s > best["step"] for s, _ in evals) >= cfg.patience)
+    save = lambda: _save(ckpt, model, opt, step, losses, evals, best, ident, before + time.perf_counter() - t0)
     try:
-        while step < cfg.iters:
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr_at(step)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_at(step)
-            if not torch.isfinite(loss):
-                raise SparseKVError(f"{label}: the loss is {loss.item()} at step {step}; lower the learning rate")
-            loss.backward()
-            if cfg.clip and hasattr(model, "clip_grads_"):  # a batched model clips each head on its own
-                model.clip_grads_(cfg.clip)
-            elif cfg.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-            opt.step()
-            step += 1
-            window, since = window + float(loss.detach()), since + 1
-            tick.advance()
-            last = step == cfg.iters
-            if since and (step % max(1, cfg.iters // 64) == 0 or last):
-                losses.append((step, window / since))
-                window, since = 0.0, 0
-            if evaluate is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
-                evals.append((step, evaluate()))
-            if losses:
-                shown = f"{label} loss {losses[-1][1]:.4f}"
-                if show and evals:
-                    shown += f" · held-out {show} {evals[-1][1][show]:.3f}"
-                tick.update(shown)
-            if ckpt is not None and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                _save(ckpt, model, opt, step, losses, evals, ident, before + time.perf_counter() - t0)
+        with tf32_matmul(cfg.tf32):
+            while step < cfg.iters and not stop:
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lr_at(step)
+                opt.zero_grad(set_to_none=True)
+                loss = loss_at(step)
+                if not torch.isfinite(loss):
+                    raise SparseKVError(f"{label}: the loss is {loss.item()} at step {step}; lower the learning rate")
+                loss.backward()
+                if cfg.clip and hasattr(model, "clip_grads_"):  # a batched model clips each head on its own
+                    model.clip_grads_(cfg.clip)
+                elif cfg.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+                opt.step()
+                step += 1
+                window, since = window + float(loss.detach()), since + 1
+                tick.advance()
+                last = step == cfg.iters
+                if evaluate is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
+                    with tf32_matmul(False):
+                        evals.append((step, evaluate()))
+                    if cfg.best_by:
+                        best, stop = _track_best(best, evals, model, cfg)
+                if since and (step % max(1, cfg.iters // 64) == 0 or last or stop):
+                    losses.append((step, window / since))
+                    window, since = 0.0, 0
+                if losses:
+                    shown = f"{label} loss {losses[-1][1]:.4f}"
+                    if show and evals:
+                        shown += f" · held-out {show} {evals[-1][1][show]:.3f}"
+                    tick.update(shown)
+                if ckpt is not None and (last or stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                    save()
     except KeyboardInterrupt:
         if ckpt is not None and step > start:
-            _save(ckpt, model, opt, step, losses, evals, ident, before + time.perf_counter() - t0)
+            save()
         raise
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    return TrainResult(cfg.iters, before + time.perf_counter() - t0, start, losses, evals)
+    kept = None
+    if best is not None:
+        model.load_state_dict(best["model"])
+        kept = {"by": cfg.best_by, "step": best["step"], "value": best["value"]}
+    return TrainResult(step, before + time.perf_counter() - t0, start, losses, evals, kept, stop)
+
+
+def _track_best(best: dict | None, evals: list, model: torch.nn.Module, cfg: TrainConfig) -> tuple[dict | None, bool]:
+    """After an evaluation: the best one so far (its step, value and a copy of the weights) and whether patience has
+    run out (cfg.patience evaluations since the best one)."""
+    step, metrics = evals[-1]
+    v = float(metrics[cfg.best_by])
+    if best is None or (v < best["value"] if cfg.best_mode == "min" else v > best["value"]):
+        return {"step": step, "value": v, "model": {k: t.detach().clone() for k, t in model.state_dict().items()}}, False
+    since = sum(1 for s, _ in evals if s > best["step"])
+    return best, bool(cfg.patience) and since >= cfg.patience
 
 
 def _plain(x: Any) -> Any:
@@ -164,15 +196,15 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _save(path: Path, model, opt, step: int, losses, evals, identity: dict, seconds: float) -> None:
+def _save(path: Path, model, opt, step: int, losses, evals, best, identity: dict, seconds: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(), "losses": losses,
-                "evals": evals, "identity": _plain(identity), "seconds": seconds}, tmp)
+                "evals": evals, "best": best, "identity": _plain(identity), "seconds": seconds}, tmp)
     os.replace(tmp, path)
 
 
-def _load(path: Path, model, opt, identity: dict) -> tuple[int, list, list, float]:
+def _load(path: Path, model, opt, identity: dict) -> tuple[int, list, list, float, dict | None]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
@@ -185,4 +217,9 @@ def _load(path: Path, model, opt, identity: dict) -> tuple[int, list, list, floa
                             f"{', '.join(diffs)}); rerun with the same options or without --resume")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    return int(state["step"]), list(state["losses"]), list(state["evals"]), float(state.get("seconds", 0.0))
+    best = state.get("best")
+    if best is not None:
+        dev = next(iter(model.state_dict().values())).device
+        best = {**best, "model": {k: t.to(dev) for k, t in best["model"].items()}}
+    return (int(state["step"]), list(state["losses"]), list(state["evals"]), float(state.get("seconds", 0.0)),
+            best)
