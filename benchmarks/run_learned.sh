@@ -52,7 +52,7 @@ if [[ " $parts " == *" spotlight "* ]]; then
 fi
 if [[ " $parts " == *" saap "* ]]; then
     $sk dump --text-file "$work/train.txt" --tokens 65536 --seq 8192 --queries 1024 --out "$work/acts1k"
-    fit=(--acts "$work/acts1k" --gap 64 --min-range 32 --iters 1200 --eval-every 400)
+    fit=(--acts "$work/acts1k" --gap 64 --min-range 32 --iters 1200 --eval-every 400 --patience 0)
     $sk index "${fit[@]}" --out "$work/qm" --no-causal --json "$out/index-saap-smollm2-jargon-$tag.json"
     $sk index "${fit[@]}" --out "$work/qmc" --json "$out/index-saap-causal-smollm2-jargon-$tag.json"
     $sk index --acts "$work/acts1k" --out "$work/km" --no-query-model \
@@ -72,6 +72,19 @@ from sparsekv.eval.intervals import annotate
 rows = [r for f in sys.argv[2:] for r in (lambda d: d if isinstance(d, list) else [d])(json.load(open(f)))]
 json.dump(annotate(rows), open(sys.argv[1], "w"), indent=1)
 PY
+    # twice the tokens: the default fit (early stopping) and the paper's 40000 iterations; NIAH of both and of the
+    # centroids alone (the oracle's prompts: the same command)
+    $sk dump --text-file "$work/train.txt" --tokens 131072 --seq 8192 --queries 1024 --out "$work/acts128k"
+    $sk index --acts "$work/acts128k" --gap 64 --min-range 32 --out "$work/def" \
+        --json "$out/index-saap-causal-default-$tag.json"
+    $sk index --acts "$work/acts128k" --gap 64 --min-range 32 --iters 40000 --eval-every 5000 --patience 0 \
+        --checkpoint-every 2000 --out "$work/q40k" --json "$out/index-saap-causal-40k-$tag.json"
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/def/*/saap/v1)" "${small[@]}" \
+        --json "$out/niah-saap-causal-default-smollm2-$tag.json" "$@"
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/q40k/*/saap/v1)" "${small[@]}" \
+        --json "$out/niah-saap-causal-40k-smollm2-$tag.json" "$@"
+    $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/q40k/*/saap/v1)" "${small[@]}" --no-query-model \
+        --json "$out/niah-saap-kmeans-128k-smollm2-$tag.json" "$@"
 fi
 if [[ " $parts " == *" speed "* ]]; then
     $sk bench --require-gpu --seq 131072 --shape llama3-8b --method dense,lsh,spotlight --budget 2048 \

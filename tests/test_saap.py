@@ -290,6 +290,21 @@ def test_query_model_kl_falls_on_a_clustered_problem():
     assert config["pairs"] == {"gap": 32, "min_range": 16, "sink": 1, "causal": True, "defaults_from_seq_len": 128}
 
 
+def test_index_keeps_its_best_evaluation_unless_patience_is_zero():
+    """By default the index ends with the weights of its lowest held-out KL (and may stop early); patience 0 runs
+    every iteration and keeps the last weights, as the paper."""
+    from test_train_hash import ClusteredDump
+
+    opts = dict(clusters=8, hidden=16, iters=8, lr=3e-3, queries_per_step=8, eval_every=1, holdout=0.25, probes=1)
+    _, config, report = index_keys(ClusteredDump(seqs=4), **opts)
+    kept = report["train"]["kept"]
+    assert config["train"]["kept"] == "lowest held-out kl" and kept["by"] == "kl"
+    assert kept["value"] == min(m["kl"] for _, m in report["train"]["heldout_curve"])
+    assert report["metrics"]["mean"]["kl"] == kept["value"]  # the report measures the weights kept, alike
+    _, config, report = index_keys(ClusteredDump(seqs=4), patience=0, **opts)
+    assert config["train"]["kept"] == "last" and "kept" not in report["train"] and report["train"]["steps"] == 8
+
+
 def test_targets_pair_earlier_keys_by_default_and_the_report_scores_causal_pairs(dump):
     """A decode step reads only the keys before its query: by default a query's target pairs it with earlier keys
     only (the paper's two-way pairs with causal=False), and the held-out report scores causal pairs either way."""

@@ -6,12 +6,13 @@
    sequences' keys, the attention sink (each sequence's first `sink` keys) left out.
 2. Every (layer, KV head)'s query model trained at once (sparsekv/saap/objective.py: eq. 1's KL against each
    long-range query's attention per bucket) through the shared loop (sparsekv/offline/train.py): Adam at lr 1e-5,
-   constant, up to 40k iterations (Appendix A), checkpoints and resume. The held-out KL is measured every iters / 16
-   iterations; the run keeps the weights of its lowest and stops after `patience` (2) evaluations without a lower
-   one: the paper's 40k iterations draw on 40 prompts of 500k tokens, a dump of a few hundred thousand tokens is
-   learnt by heart long before (its held-out KL rises while the training loss keeps falling).
-   `query_model=False` skips it (the "K-means" baselines: queries ranked by the centroids). The targets pair each query with earlier keys only (`causal`,
-   default True; the paper's two-way pairs with causal=False: objective.py says why and what it costs).
+   constant, up to 40k iterations (Appendix A), checkpoints and resume. The held-out KL is measured every
+   iters / 16 iterations; the run keeps the weights of its lowest and stops after `patience` (2) evaluations
+   without a lower one (`patience=0`: every iteration and the last weights, as the paper). The paper's 40k
+   iterations draw on 40 prompts of 500k tokens; a dump of a few hundred thousand tokens is learnt by heart long
+   before (its held-out KL rises while the training loss keeps falling). `query_model=False` skips the model
+   (the "K-means" baselines: queries ranked by the centroids). The targets pair each query with earlier keys only
+   (`causal`, default True; the paper's two-way pairs with causal=False: objective.py says why and what it costs).
 3. The report (on causal pairs, whatever the training pairs: what a decode step can read): bucket sizes of
    held-out keys (histogram, imbalance factor), and on held-out long-range queries the
    Q-model's KL and, at ℓ probes, the share of queries whose heaviest long-range key is in a visited bucket and the
@@ -80,8 +81,8 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
         raise SparseKVError(f"--gap must be >= 1 and --min-range >= 0, got {gap} and {min_range}")
     cfg = TrainConfig(iters=iters, lr=lr, min_lr=lr, warmup=0, optimizer="adam", betas=(0.9, 0.999),
                       weight_decay=0.0, clip=None, checkpoint_every=checkpoint_every,
-                      eval_every=eval_every or max(1, iters // 16), seed=seed, best_by="kl" if query_model else "",
-                      patience=patience if query_model else 0)
+                      eval_every=eval_every or max(1, iters // 16), seed=seed,
+                      best_by="kl" if query_model and patience else "", patience=patience if query_model else 0)
     cfg.check()
     t0 = time.perf_counter()
     tick = Ticker(progress, len(layers), "load dump")
@@ -118,7 +119,8 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
                         "defaults_from_seq_len": max(acts.seq_lengths)},
               "train": {"iters": iters, "lr": lr, "optimizer": "adam", "betas": [0.9, 0.999], "schedule": "constant",
                         "queries_per_step": queries_per_step, "seed": seed, "holdout": holdout,
-                        "eval_every": cfg.eval_every, "kept": "lowest held-out kl", "patience": patience}}
+                        "eval_every": cfg.eval_every, "patience": patience,
+                        "kept": "lowest held-out kl" if cfg.best_by else "last"}}
     model = QueryModel(L, Hkv, D, hidden, C, seed=seed).to(device) if query_model else None
     before = scored.evaluate(held, model, centroids, probes)
     report: dict[str, Any] = {"clusters": {"asked": clusters, "used": C, "note": note},
@@ -128,9 +130,9 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
                                           "long_range_share": _share(before, held)}}
     after = before
     if model is not None:
-        def evaluate() -> dict:
+        def evaluate() -> dict:  # the report's means (each head weighted by its long-range queries)
             m = scored.evaluate(held, model, centroids, probes)
-            return {k: round(float(v.mean()), 4) for k, v in m.items() if k != "queries"}
+            return {k: _mean(v, m["queries"]) for k, v in m.items() if k != "queries"}
 
         run = train(model, lambda step: obj.loss(model, step), cfg, checkpoint_dir=work, resume=resume,
                     identity={"stage": "index", "config": config, "data": data_record(acts)}, evaluate=evaluate,
@@ -184,6 +186,11 @@ def _share(m: dict, held) -> float | None:
     return round(float(m["queries"].sum()) / max(total, 1), 4)
 
 
+def _mean(v: torch.Tensor, queries: torch.Tensor) -> float:
+    """A held-out metric per (layer, KV head) averaged over them, each weighted by its long-range queries."""
+    return round(float((v * queries).sum() / queries.sum().clamp(min=1)), 4)
+
+
 def _metrics(layers: Sequence[int], probes: int, before: dict, after: dict, trained: bool) -> dict:
     """Held-out metrics: means, per layer and per (layer, KV head)."""
     cols = {"hit_centroids": after["hit_centroids"], "mass_centroids": after["mass_centroids"]}
@@ -191,9 +198,7 @@ def _metrics(layers: Sequence[int], probes: int, before: dict, after: dict, trai
         cols.update(kl_before=before["kl"], kl=after["kl"], hit_before=before["hit"], hit=after["hit"],
                     mass=after["mass"])
     w = after["queries"]
-
-    def mean(v, rows=slice(None)):  # weighted by each head's long-range queries
-        return round(float((v[rows] * w[rows]).sum() / w[rows].sum().clamp(min=1)), 4)
+    mean = lambda v, rows=slice(None): _mean(v[rows], w[rows])
 
     return {"probes": probes,
             "mean": {k: mean(v) for k, v in cols.items()},
