@@ -1,6 +1,6 @@
 """Matrix-product precision while fitting: the models' products may run on TF32 tensor cores (CUDA), the attention
-targets and held-out metrics may not (a TF32 product keeps ~10 mantissa bits: attention logits of tens would move
-by hundredths and reorder near ties, changing which keys a target holds)."""
+targets and held-out metrics may not (TF32 keeps 10 mantissa bits of each input: enough for a model's gradient
+steps, not for the exact attention a target is defined by, whose near-tied logits it can reorder)."""
 
 from __future__ import annotations
 

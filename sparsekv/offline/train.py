@@ -128,8 +128,7 @@ def train(model: torch.nn.Module, loss_at: Callable[[int], torch.Tensor], cfg: T
     tick = Ticker(progress, cfg.iters, label)
     tick.advance(start)
     t0, window, since = time.perf_counter(), 0.0, 0
-    # a resumed run whose patience had run out stops where it did
-    step, stop = start, bool(best and cfg.patience and sum(s > best["step"] for s, _ in evals) >= cfg.patience)
+    step, stop = start, _out_of_patience(best, evals, cfg)  # a resumed run that had stopped stays stopped
     save = lambda: _save(ckpt, model, opt, step, losses, evals, best, ident, before + time.perf_counter() - t0)
     try:
         with tf32_matmul(cfg.tf32):
@@ -178,13 +177,18 @@ def train(model: torch.nn.Module, loss_at: Callable[[int], torch.Tensor], cfg: T
 
 def _track_best(best: dict | None, evals: list, model: torch.nn.Module, cfg: TrainConfig) -> tuple[dict | None, bool]:
     """After an evaluation: the best one so far (its step, value and a copy of the weights) and whether patience has
-    run out (cfg.patience evaluations since the best one)."""
+    run out."""
     step, metrics = evals[-1]
     v = float(metrics[cfg.best_by])
     if best is None or (v < best["value"] if cfg.best_mode == "min" else v > best["value"]):
-        return {"step": step, "value": v, "model": {k: t.detach().clone() for k, t in model.state_dict().items()}}, False
-    since = sum(1 for s, _ in evals if s > best["step"])
-    return best, bool(cfg.patience) and since >= cfg.patience
+        weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        return {"step": step, "value": v, "model": weights}, False
+    return best, _out_of_patience(best, evals, cfg)
+
+
+def _out_of_patience(best: dict | None, evals: list, cfg: TrainConfig) -> bool:
+    """Whether cfg.patience evaluations have followed the best one without beating it."""
+    return bool(best and cfg.patience) and sum(s > best["step"] for s, _ in evals) >= cfg.patience
 
 
 def _plain(x: Any) -> Any:

@@ -50,10 +50,10 @@ class QueryModel(nn.Module):
         None). In eval mode the running statistics are used, as the folded model does.
 
         Batch norm of an affine layer is an affine layer: h = x w1 + b1 has, over the masked rows, mean
-        mu_x w1 + b1 and per hidden unit the variance w1_m' S_x w1_m (S_x the rows' D x D covariance), so the
-        statistics come from x (D = 64, in fp64) and the normalisation folds into w1 and b1. The step then runs
-        two matrix products and one ReLU over the [n, M] hidden activations instead of a dozen elementwise
-        passes; the gradients are those of the unfolded layers (the same function)."""
+        mu_x w1 + b1 and per hidden unit the variance w1_m' S_x w1_m (S_x the rows' D x D covariance, in fp64), so
+        the statistics come from x and the normalisation folds into w1 and b1. The step runs two matrix products
+        and one ReLU over the [n, M] hidden activations instead of a dozen elementwise passes; the gradients are
+        those of the unfolded layers (the same function)."""
         if self.training:
             m = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if mask is None else mask
             w = m.unsqueeze(-1).to(torch.float64)
