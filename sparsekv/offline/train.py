@@ -47,7 +47,7 @@ class TrainConfig:
     checkpoint_every: int = 512
     eval_every: int = 0  # held-out metric every N steps (0: at the end only)
     seed: int = 0
-    tf32: bool = True  # fp32 matrix products on TF32 tensor cores while training on CUDA (no effect on the CPU)
+    tf32: bool = False  # fp32 matrix products on TF32 tensor cores while training on CUDA (no effect on the CPU)
     best_by: str = ""  # a held-out metric: the run ends with the weights of its best evaluation ("" : the last ones)
     best_mode: str = "min"  # "min" or "max": which values of best_by are better
     patience: int = 0  # with best_by: stop after this many evaluations without a better value (0: run every step)

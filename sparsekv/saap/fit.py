@@ -6,13 +6,14 @@
    sequences' keys, the attention sink (each sequence's first `sink` keys) left out.
 2. Every (layer, KV head)'s query model trained at once (sparsekv/saap/objective.py: eq. 1's KL against each
    long-range query's attention per bucket) through the shared loop (sparsekv/offline/train.py): Adam at lr 1e-5,
-   constant, up to 40k iterations (Appendix A), checkpoints and resume. The held-out KL is measured every
-   iters / 16 iterations; the run keeps the weights of its lowest and stops after `patience` (2) evaluations
-   without a lower one (`patience=0`: every iteration and the last weights, as the paper). The paper's 40k
-   iterations draw on 40 prompts of 500k tokens; a dump of a few hundred thousand tokens is learnt by heart long
-   before (its held-out KL rises while the training loss keeps falling). `query_model=False` skips the model
-   (the "K-means" baselines: queries ranked by the centroids). The targets pair each query with earlier keys only
-   (`causal`, default True; the paper's two-way pairs with causal=False: objective.py says why and what it costs).
+   constant, up to 40k iterations (Appendix A), products on TF32 tensor cores (CUDA; the attention targets stay
+   fp32), checkpoints and resume. The held-out KL is measured every iters / 16 iterations; the run keeps the
+   weights of its lowest and stops after `patience` (2) evaluations without a lower one (`patience=0`: every
+   iteration and the last weights, as the paper). The paper's 40k iterations draw on 40 prompts of 500k tokens; a
+   dump of a few hundred thousand tokens is learnt by heart long before (its held-out KL rises while the training
+   loss keeps falling). `query_model=False` skips the model (the "K-means" baselines: queries ranked by the
+   centroids). The targets pair each query with earlier keys only (`causal`, default True; the paper's two-way
+   pairs with causal=False: objective.py says why and what it costs).
 3. The report (on causal pairs, whatever the training pairs: what a decode step can read): bucket sizes of
    held-out keys (histogram, imbalance factor), and on held-out long-range queries the
    Q-model's KL and, at ℓ probes, the share of queries whose heaviest long-range key is in a visited bucket and the
@@ -81,7 +82,7 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
         raise SparseKVError(f"--gap must be >= 1 and --min-range >= 0, got {gap} and {min_range}")
     cfg = TrainConfig(iters=iters, lr=lr, min_lr=lr, warmup=0, optimizer="adam", betas=(0.9, 0.999),
                       weight_decay=0.0, clip=None, checkpoint_every=checkpoint_every,
-                      eval_every=eval_every or max(1, iters // 16), seed=seed,
+                      eval_every=eval_every or max(1, iters // 16), seed=seed, tf32=True,
                       best_by="kl" if query_model and patience else "", patience=patience if query_model else 0)
     cfg.check()
     t0 = time.perf_counter()
