@@ -77,8 +77,8 @@ class SaapObjective:
     step that samples the query: the targets of a fit sequence's queries are computed once, when a step first
     samples it, and looked up after (`cache_targets`; by default when all of them fit in a quarter of the free
     memory of the data's device). Computing them (two attention passes per layer) is what a step otherwise costs.
-    Cached targets are kept in bf16 (half the memory and half the bytes a step gathers; a share of attention to
-    three significant digits), their KL constants Σ t log t and Σ t in fp32 from the exact values."""
+    Cached targets are kept in bf16 (half the memory and half the bytes a step gathers; each share of attention
+    within 0.4 % of itself), their KL constants Σ t log t and Σ t in fp32 from the exact values."""
 
     def __init__(self, data: DumpExamples, patterns: Sequence[AttentionPattern], buckets: torch.Tensor,
                  clusters: int, pairs: LongRange, queries_per_step: int, seed: int = 0,
