@@ -10,6 +10,12 @@ from dataclasses import dataclass
 import torch
 
 
+def window_start(lengths: torch.Tensor, span: int) -> torch.Tensor:
+    """First key the newest of `lengths` keys may see under a sliding window of `span` keys (0: every key): the
+    references' copy of kernels/region.py::window_first."""
+    return (lengths - span).clamp(min=0) if span else torch.zeros_like(lengths)
+
+
 def decode_positions(batch: int, heads: int, lengths: int | torch.Tensor, indices: torch.Tensor | None = None,
                      sink: int = 0, window: int = 0, span: int = 0, dense: bool = False,
                      device=None) -> torch.Tensor:
@@ -23,7 +29,7 @@ def decode_positions(batch: int, heads: int, lengths: int | torch.Tensor, indice
     [length - span, length): the dense slots start there, and nothing before it is read.
     """
     L = torch.as_tensor(lengths, device=device).long().reshape(-1, 1, 1).expand(batch, 1, 1)
-    start = (L - span).clamp(min=0) if span else torch.zeros_like(L)
+    start = window_start(L, span)
     if dense:
         pos = torch.arange(int(L.max()), device=device).view(1, 1, -1).expand(batch, heads, -1)
         return torch.where((pos < L) & (pos >= start), pos, -1)
@@ -56,7 +62,7 @@ class RowBounds:
         """bool [B, 1, n]: which of the n keys from lo each row may choose (few launches: a graph step replays
         them every layer)."""
         L = self.lengths.view(-1, 1, 1)
-        first = (L - self.span).clamp(min=0) + self.sink if self.span else self.sink
+        first = window_start(L, self.span) + self.sink
         pos = torch.arange(self.lo, self.lo + n, device=L.device).view(1, 1, -1)
         return (pos >= first) & (pos < (L - self.window if self.window else L))
 
@@ -76,7 +82,7 @@ def block_positions_reference(blocks: torch.Tensor, block_size: int, lengths: in
     offs = torch.arange(block_size, device=blocks.device)
     pos = blocks.long().unsqueeze(-1) * block_size + offs
     L = torch.as_tensor(lengths, device=blocks.device).long().reshape(-1, 1, 1, 1)
-    lo = ((L - span).clamp(min=0) if span else torch.zeros_like(L)) + sink
+    lo = window_start(L, span) + sink
     pos = torch.where((blocks.unsqueeze(-1) >= 0) & (pos >= lo) & (pos < L - window), pos, -1).flatten(-2)
     return pos, pos.ge(0).sum(-1).float().mean()
 
@@ -440,7 +446,7 @@ class PageRegion:
         """bool [B, 1, n_pages]: which of the n_pages pages from p_lo each row may choose."""
         r, S = self.rows, self.page_size
         L = r.lengths.long().view(-1, 1, 1)
-        start = (L - r.span).clamp(min=0) if r.span else torch.zeros_like(L)
+        start = window_start(L, r.span)
         page = self.p_lo + torch.arange(n_pages, device=L.device).view(1, 1, -1)
         ok = ((page + 1) * S > start + r.sink) & (page * S < L - r.window)
         return ok & (page != (L - 1) // S) if self.skip_last else ok

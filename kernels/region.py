@@ -1,5 +1,5 @@
-"""The one device-side rule every kernel uses for the keys a row may see (reference: sparsekv.patterns.window_start,
-kernels/reference.py::RowBounds)."""
+"""The one device-side rule every kernel uses for the keys a row may see (references: sparsekv.patterns.window_start,
+kernels/reference.py::window_start)."""
 
 import triton
 import triton.language as tl
