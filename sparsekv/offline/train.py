@@ -61,9 +61,13 @@ class TrainConfig:
             raise SparseKVError("warmup, checkpoint_every and eval_every must be >= 0")
         if self.optimizer not in ("adamw", "adam"):
             raise SparseKVError(f"optimizer must be adamw or adam, got {self.optimizer!r}")
-        if self.best_mode not in ("min", "max") or self.patience < 0 or (self.patience and not self.best_by):
-            raise SparseKVError(f"--patience must be >= 0 and needs a held-out metric to follow; best_mode min or "
-                                f"max (got patience {self.patience}, best_by {self.best_by!r}, {self.best_mode!r})")
+        if self.patience < 0:
+            raise SparseKVError(f"--patience must be >= 0, got {self.patience}")
+        if self.patience and not self.best_by:
+            raise SparseKVError("patience needs a held-out metric to follow (best_by)")
+        if self.best_mode not in ("min", "max"):
+            raise SparseKVError(f"best_mode must be min or max (the direction in which best_by improves, for patience "
+                                f"and the weights kept), got {self.best_mode!r}")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up over `warmup` steps, then cosine from lr to min_lr at the last step."""
