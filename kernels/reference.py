@@ -5,7 +5,7 @@ Clarity over speed: these are what the tests compare the kernels against, and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -648,16 +648,87 @@ def mlp_hash_pack_into_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# SAAP's visited inverted lists (kernels/saap.py): the positions of the keys of the chosen buckets, in CSR order.
+# SAAP's decode step (kernels/saap.py): a new key's bucket and the key leaving the window joining its list; the
+# queries' bucket logits; the visited buckets' first slots; the positions of their keys, in CSR order.
+
+def saap_append_reference(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor,
+                          centroids: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, sink: int, window: int,
+                          newest_first: bool = False) -> None:
+    """One decode step's keys k [B, Hkv, 1, D] at device positions pos [B], in place on the lists (sparsekv/saap/
+    lists.py): each key's bucket, the argmax of its fp32 inner products with its KV head's centroids [Hkv, C, D]
+    (ties to the lower bucket), is written at pos; the key `window` positions earlier, when at or past `sink`,
+    joins its bucket's list: its ordinal is the list's length (stored -1 - length with `newest_first`), which grows
+    by one."""
+    rows = torch.arange(k.shape[0], device=k.device)
+    new = (k[:, :, 0].float().unsqueeze(-2) @ centroids.float().transpose(-1, -2)).squeeze(-2).argmax(-1)
+    p_new = pos.long()
+    buckets[rows, :, p_new] = new.to(buckets.dtype)
+    p = p_new - window
+    ok = (p >= sink).view(-1, 1)
+    p = p.clamp(min=0)
+    b = buckets[rows, :, p].long()  # [B, Hkv]
+    index = counts.gather(-1, b[:, :, None])[:, :, 0]
+    ordinals[rows, :, p] = torch.where(ok, -1 - index if newest_first else index, ordinals[rows, :, p])
+    counts.scatter_add_(-1, b[:, :, None], ok.to(counts.dtype).expand_as(b)[:, :, None].contiguous())
+
+
+def bucket_logits_reference(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None) -> torch.Tensor:
+    """fp32 [B, Hq, C]: each query x [B, Hq, 1, D] scored against its KV head's C buckets: the folded Q-model's
+    logits relu(x w1 + b1) w2 + b2 (model = (w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, C], b2 [Hkv, C])), else the
+    inner products with the centroids [Hkv, C, D]. Products take their inputs in the weights' dtype (x and the
+    hidden layer rounded to it, as tensor cores read them) and sum in fp32."""
+    B, Hq, _, D = x.shape
+    Hkv, C, _ = centroids.shape
+    dt = centroids.dtype if model is None else model[0].dtype
+    xg = x.to(dt).float().reshape(B, Hkv, Hq // Hkv, D)
+    if model is None:
+        s = xg @ centroids.float().transpose(-1, -2)
+    else:
+        w1, b1, w2, b2 = (t.float() for t in model)
+        h = torch.relu(xg @ w1 + b1.unsqueeze(-2)).to(dt).float()
+        s = h @ w2 + b2.unsqueeze(-2)
+    return s.reshape(B, Hq, C)
+
+
+def slot_bases(counts: torch.Tensor, chosen: torch.Tensor, newest_first: bool = False) -> torch.Tensor:
+    """counts [B, Hs, C + 1] (the lists' lengths, per selection head) and the chosen buckets [B, Hs, l] (best
+    first) -> int32 [B, Hs, C + 1]: each chosen bucket's first slot when the chosen lists are laid end to end in
+    that order (`newest_first`: its first slot plus its length, for ordinals stored as -1 - index), -1 for the
+    others (and for the sentinel C)."""
+    cnt = counts.gather(-1, chosen)
+    ends = cnt.cumsum(-1)
+    base = torch.full_like(counts, -1)
+    return base.scatter_(-1, chosen, (ends if newest_first else ends - cnt).to(base.dtype))
+
+
+def bucket_bases_reference(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1,
+                           softmax: bool = False, newest_first: bool = False) -> torch.Tensor:
+    """int32 [B, Hs, C + 1], Hs = Hq / group: the `probes` best buckets of each selection head, their lists laid end
+    to end best first (`slot_bases`). scores [B, Hq, C] (fp32 logits; `softmax`: each query head's distribution
+    first), summed over each selection head's `group` query heads (SAAP's §5 "Batched queries"); the best are the
+    highest sums, ties to the lower bucket. counts [B, Hkv, C + 1]: selection head h reads KV head h // (Hs / Hkv)."""
+    B, Hq, C = scores.shape
+    s = torch.softmax(scores.float(), dim=-1) if softmax else scores.float()
+    s = s.view(B, Hq // group, group, C).sum(2)
+    chosen = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :probes]
+    per = s.shape[1] // counts.shape[1]
+    return slot_bases(counts.repeat_interleave(per, dim=1) if per > 1 else counts, chosen, newest_first)
+
 
 def bucket_gather_reference(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int,
-                            hi: int, row_lo: torch.Tensor | None = None,
-                            row_hi: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 [B, Hs, cap]: the key at position p in [lo, hi) (and in its row's [row_lo, row_hi) when given, [B]
-    device bounds) whose bucket b = buckets[.., p] has bases[.., b] >= 0 goes to slot bases[.., b] + ordinals[.., p]
+                            hi: int, bounds: RowBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 [B, Hs, cap], the mean number of its slots that hold a key per (row, head), 0-dim fp32): the key at
+    position p in [lo, hi) (and in its row's region when `bounds` gives the rows' device lengths: RowBounds, its
+    `lo` unused) whose bucket b = buckets[.., p] has bases[.., b] >= 0 goes to slot bases[.., b] + ordinals[.., p]
     when that is below `cap`; the other slots hold -1. buckets/ordinals [B, Hkv, Lmax] (int; sentinel buckets index
     the last column of bases), bases [B, Hs, C + 1] (Hs = Hkv, or Hq: query head h reads KV head h // (Hs // Hkv)).
     Slots are unique by construction (a bucket's keys have distinct ordinals), so the result is deterministic."""
+    out = _bucket_gather(buckets, ordinals, bases, cap, lo, hi, bounds)
+    return out, out.ge(0).sum(-1).float().mean()
+
+
+def _bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int, hi: int,
+                   bounds: RowBounds | None) -> torch.Tensor:
     B, Hkv, _ = buckets.shape
     Hs = bases.shape[1]
     out = torch.full((B, Hs, cap + 1), -1, dtype=torch.int64, device=buckets.device)
@@ -669,9 +740,7 @@ def bucket_gather_reference(buckets: torch.Tensor, ordinals: torch.Tensor, bases
     slot = base + ordinals[:, kv, lo:hi].long()
     pos = torch.arange(lo, hi, device=buckets.device).view(1, 1, -1)
     ok = (base >= 0) & (slot < cap)
-    if row_lo is not None:
-        ok &= pos >= row_lo.view(-1, 1, 1).long()
-    if row_hi is not None:
-        ok &= pos < row_hi.view(-1, 1, 1).long()
+    if bounds is not None:
+        ok &= replace(bounds, lo=lo).mask(hi - lo)
     out.scatter_(-1, torch.where(ok, slot, cap), pos.expand(B, Hs, -1))  # slot `cap` takes the rest, then goes
     return out[..., :cap]

@@ -1,15 +1,31 @@
-"""SAAP's visited inverted lists in Triton: one pass over the keys' bucket ids writes the positions of the keys of the
-chosen buckets into a fixed-size output, in CSR order (the chosen lists end to end, best bucket first).
+"""SAAP's decode step in Triton: six launches a layer (append, two for the bucket logits, bases, the output's fill,
+gather), none reading back to the host: graph-capturable.
 
-Each program takes one chunk of positions of one (batch row, selection head): it reads the bucket and the list
-ordinal of each key (8 bytes a key, against the 2·D·2 bytes of its K/V in 16 bits), looks up its bucket's first
-slot in the step's small table `bases` (-1: not visited) and stores the position at base + ordinal (ordinals are
-negative in newest-first lists, whose bases are then the buckets' last slot + 1: sparsekv/saap/lists.py). Slots are
-unique (a bucket's keys have distinct ordinals), so there are no atomics and no ordering between programs; slots
-never written keep the -1 the output is filled with. Grid sizes and the output's shape depend on the host bounds
-only, and the rows' own bounds are read on the device: the launch can be captured in a CUDA graph.
+append         one program per (batch row, KV head, block of centroids): the block's best inner product with the
+               new key (fp32, ties to the lower bucket), combined across blocks by an atomic max of (score, bucket)
+               packed in an int64; the row's last block to finish writes the winner at the key's device position
+               and appends the key leaving the dense window (`window` positions earlier, past the sink) to its
+               bucket's list: its ordinal is the list's length, which grows by one (that one program owns the
+               row's lists). One block per program: a step's centroids are read by the whole GPU, not by B x Hkv
+               programs in turn.
+bucket_logits  the folded Q-model's logits relu(x w1 + b1) w2 + b2 in two launches, one program per (block of the
+               hidden layer, then of buckets; KV head; block of query rows): a KV head's weights are read once for
+               its query group over the whole batch, by many programs at once. Without a Q-model, one launch of
+               the second kind: the queries' inner products with the centroids.
+bucket_bases   one program per (batch row, selection head): each query head's softmax (Q-model), the group's sum,
+               the `probes` best buckets by one sort of (score, bucket) pairs packed into int64 (ties to the lower
+               bucket), and the table of each bucket's first slot (-1 unvisited) with the chosen lists end to end.
+               Eight warps: the sort is the program's critical path.
+bucket_gather  one program per chunk of positions of one (batch row, selection head): it reads the bucket and list
+               ordinal of each key (8 bytes a key, against the 2·D·2 bytes of its K/V in 16 bits), looks up its
+               bucket's first slot and stores the position at base + ordinal (ordinals are negative in newest-first
+               lists, whose bases are then the buckets' last slot + 1: sparsekv/saap/lists.py). Slots are unique
+               (a bucket's keys have distinct ordinals), so there are no atomics and no ordering between programs;
+               slots never written keep the -1 the output is filled with. A graph-replayed step's rows bound their
+               own region from their device lengths inside the kernel (RowBounds), as the code distances do.
 
-Reference: `kernels/reference.py::bucket_gather_reference` (same arguments).
+References: kernels/reference.py::saap_append_reference, bucket_logits_reference, bucket_bases_reference,
+bucket_gather_reference (same arguments).
 """
 
 from __future__ import annotations
@@ -18,13 +34,250 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 4096  # positions per program: 32 programs per head at 131072 keys
+from .reference import RowBounds
+from .region import window_first
+
+CHUNK = 2048  # positions per gather program: 64 programs per head at 131072 keys
+
+
+# --------------------------------------------------------------------------------------------------------------
+# append: the new key's bucket, and the key leaving the window into its list
 
 
 @triton.jit
-def _bucket_gather_kernel(BKT, ORD, BASE, OUT, ROW_LO, ROW_HI,
+def _append_kernel(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, C, Hkv, sink, window,
+                   s_kb, s_kh, s_ch, s_cc, s_bb, s_bh, s_nb, s_nh,
+                   D: tl.constexpr, DP: tl.constexpr, BLOCK_C: tl.constexpr, NEWEST: tl.constexpr):
+    bh = tl.program_id(0)
+    blocks = tl.num_programs(1)
+    b = bh // Hkv
+    kv = bh % Hkv
+    d = tl.arange(0, DP)
+    x = tl.load(K + b * s_kb + kv * s_kh + d, mask=d < D, other=0.0).to(tl.float32)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    cent = tl.load(CENT + kv * s_ch + c[:, None] * s_cc + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+                   other=0.0).to(tl.float32)
+    s = tl.where(ok, tl.sum(cent * x[None, :], axis=1), float("-inf"))
+    # this block's best as (score, bucket) in one int64 (order-preserving bits, the bucket reversed: the max of
+    # several is the best score's lowest bucket), combined across the row's blocks by an atomic max
+    bits = s.to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (C - 1 - c).to(tl.int64)
+    tl.atomic_max(BEST + bh, tl.max(tl.where(ok, key, -9223372036854775807), 0), sem="relaxed")
+    # the row's last block to finish (acq_rel: it sees every block's max) records the bucket and resets the scratch
+    if tl.atomic_add(DONE + bh, 1) == blocks - 1:
+        best = tl.atomic_xchg(BEST + bh, -9223372036854775807)
+        tl.atomic_xchg(DONE + bh, 0)
+        arg = (C - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        row = b.to(tl.int64) * s_bb + kv * s_bh
+        p_new = tl.load(POS + b).to(tl.int64)
+        tl.store(BKT + row + p_new, arg)
+        p = p_new - window
+        if p >= sink:
+            # the leaving key's bucket was recorded steps ago, unless it is the new key itself (window 0)
+            bk = tl.where(window == 0, arg, tl.load(BKT + row + tl.maximum(p, 0)))
+            cnt = CNT + b.to(tl.int64) * s_nb + kv * s_nh + bk
+            index = tl.load(cnt)
+            tl.store(ORD + row + p, -1 - index if NEWEST else index)
+            tl.store(cnt, index + 1)
+
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _append_scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch row, KV head): the running best (int64, reset to its minimum) and how many blocks are done (0).
+    Each call leaves them reset; calls that share them must be ordered (one stream or one graph)."""
+    key = (device, rows)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.full((rows,), -(2**63) + 1, dtype=torch.int64, device=device),
+                         torch.zeros(rows, dtype=torch.int32, device=device))
+    return _SCRATCH[key]
+
+
+def saap_append(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, centroids: torch.Tensor,
+                k: torch.Tensor, pos: torch.Tensor, sink: int, window: int, newest_first: bool = False,
+                block_c: int | None = None) -> None:
+    """Contract of `reference.saap_append_reference` (in place): keys k [B, Hkv, 1, D] at device positions pos [B].
+    `block_c`: centroids per program (default: 8192 codes' worth)."""
+    B, Hkv, n, D = k.shape
+    C = centroids.shape[1]
+    if n != 1 or centroids.shape != (Hkv, C, D) or pos.shape != (B,):
+        raise ValueError(f"saap_append takes one key per row [B, Hkv, 1, D], centroids [Hkv, C, D] and pos [B]; got "
+                         f"{tuple(k.shape)}, {tuple(centroids.shape)}, {tuple(pos.shape)}")
+    if buckets.stride(-1) != 1 or ordinals.stride() != buckets.stride() or counts.stride(-1) != 1:
+        raise ValueError("buckets and ordinals must share a layout with contiguous positions")
+    cent = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    DP = max(16, triton.next_power_of_2(D))
+    block_c = block_c or max(16, min(triton.next_power_of_2(C), 8192 // DP))
+    best, done = _append_scratch(k.device, B * Hkv)
+    _append_kernel[(B * Hkv, triton.cdiv(C, block_c))](
+        k, cent, buckets, ordinals, counts, pos, best, done, C, Hkv, sink, window,
+        k.stride(0), k.stride(1), cent.stride(0), cent.stride(1), buckets.stride(0), buckets.stride(1),
+        counts.stride(0), counts.stride(1),
+        D=D, DP=DP, BLOCK_C=block_c, NEWEST=newest_first, num_warps=4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the queries' bucket logits
+
+
+@triton.jit
+def _rows(X, s_xb, s_xh, kv, G, n_rows, RB: tl.constexpr):
+    """This program's query rows (batch row, query head of KV head kv's group): pointers' row offsets and mask."""
+    r = tl.program_id(2) * RB + tl.arange(0, RB)
+    return (r // G) * s_xb + (kv * G + r % G) * s_xh, r < n_rows
+
+
+@triton.jit
+def _hidden_kernel(X, W1, B1, H, n_rows, G, M, s_xb, s_xh, s_hb, s_hh,
+                   D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+    kv = tl.program_id(1)
+    x_off, r_ok = _rows(X, s_xb, s_xh, kv, G, n_rows, RB)
+    h_off, _ = _rows(H, s_hb, s_hh, kv, G, n_rows, RB)
+    d = tl.arange(0, DP)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    x = tl.load(X + x_off[:, None] + d[None, :], mask=r_ok[:, None] & (d < D)[None, :], other=0.0)
+    w1 = tl.load(W1 + kv * D * M + d[:, None] * M + m[None, :], mask=(d < D)[:, None] & m_ok[None, :], other=0.0)
+    h = tl.dot(x.to(w1.dtype), w1, input_precision=PREC)
+    h = tl.maximum(h + tl.load(B1 + kv * M + m, mask=m_ok, other=0.0).to(tl.float32)[None, :], 0.0)
+    tl.store(H + h_off[:, None] + m[None, :], h.to(H.dtype.element_ty), mask=r_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _logits_kernel(A, W, BIAS, OUT, n_rows, G, C, K, s_ab, s_ah, s_wh, s_wk, s_wc, s_ob, s_oh,
+                   RB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   PREC: tl.constexpr):
+    kv = tl.program_id(1)
+    a_off, r_ok = _rows(A, s_ab, s_ah, kv, G, n_rows, RB)
+    o_off, _ = _rows(OUT, s_ob, s_oh, kv, G, n_rows, RB)
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    acc = tl.zeros([RB, BLOCK_C], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        w = tl.load(W + kv * s_wh + kk[:, None] * s_wk + c[None, :] * s_wc, mask=k_ok[:, None] & c_ok[None, :],
+                    other=0.0)
+        a = tl.load(A + a_off[:, None] + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(w.dtype), w, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + kv * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + o_off[:, None] + c[None, :], acc, mask=r_ok[:, None] & c_ok[None, :])
+
+
+def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
+                  block_c: int = 32, block_m: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """Contract of `reference.bucket_logits_reference`: fp32 [B, Hq, C] of queries x [B, Hq, 1, D]. Two launches
+    with a Q-model (its hidden layer [B, Hq, M] in the weights' dtype, then the logits), one without."""
+    B, Hq, n, D = x.shape
+    Hkv, C, _ = centroids.shape
+    if n != 1 or centroids.shape[2] != D or Hq % Hkv:
+        raise ValueError(f"bucket_logits takes queries [B, Hq, 1, D] and centroids [Hkv, C, D]; got {tuple(x.shape)} "
+                         f"and {tuple(centroids.shape)}")
+    G, n_rows = Hq // Hkv, B * (Hq // Hkv)
+    x = x[:, :, 0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    RB = max(16, min(64, triton.next_power_of_2(n_rows)))  # tl.dot's smallest tile is 16 rows
+    DP = max(16, triton.next_power_of_2(D))
+    out = torch.empty(B, Hq, C, dtype=torch.float32, device=x.device)
+    rows = triton.cdiv(n_rows, RB)
+    if model is None:
+        cent = centroids.contiguous()
+        a, w, bias, K, w_strides = x, cent, cent, D, (C * D, 1, D)  # K = dims, the centroids read transposed
+        prec = _prec(cent.dtype)
+    else:
+        w1, b1, w2, b2 = (t.contiguous() for t in model)
+        M = w1.shape[-1]
+        if w1.shape != (Hkv, D, M) or w2.shape != (Hkv, M, C) or b1.shape != (Hkv, M) or b2.shape != (Hkv, C):
+            raise ValueError("bucket_logits: the Q-model's weights do not match the centroids' heads and buckets")
+        prec = _prec(w1.dtype)
+        h = torch.empty(B, Hq, M, dtype=w1.dtype, device=x.device)
+        _hidden_kernel[(triton.cdiv(M, block_m), Hkv, rows)](
+            x, w1, b1, h, n_rows, G, M, x.stride(0), x.stride(1), h.stride(0), h.stride(1),
+            D=D, DP=DP, RB=RB, BLOCK_M=block_m, PREC=prec, num_warps=num_warps)
+        a, w, bias, K, w_strides = h, w2, b2, M, (M * C, C, 1)
+    _logits_kernel[(triton.cdiv(C, block_c), Hkv, rows)](
+        a, w, bias, out, n_rows, G, C, K, a.stride(0), a.stride(1), *w_strides, out.stride(0), out.stride(1),
+        RB=RB, BLOCK_C=block_c, BLOCK_K=min(block_m, max(16, triton.next_power_of_2(K))),
+        HAS_BIAS=model is not None, PREC=prec, num_warps=num_warps)
+    return out
+
+
+def _prec(dtype: torch.dtype) -> str:
+    """tl.dot's precision: full fp32 products for fp32 weights (no TF32 rounding); 16-bit inputs are exact."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the visited buckets' first slots
+
+
+@triton.jit
+def _bases_kernel(S, CNT, BASES, C, G, Hs, sel_per_kv, probes,
+                  s_sb, s_sh, s_nb, s_nh, s_bb, s_bh,
+                  GP: tl.constexpr, CP: tl.constexpr, SOFTMAX: tl.constexpr, NEWEST: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // Hs
+    hs = bh % Hs
+    g = tl.arange(0, GP)
+    c = tl.arange(0, CP)
+    ok = (g < G)[:, None] & (c < C)[None, :]
+    s = tl.load(S + b * s_sb + (hs * G + g)[:, None] * s_sh + c[None, :], mask=ok, other=float("-inf"))
+    if SOFTMAX:  # each query head's distribution over the buckets
+        top = tl.max(s, 1)
+        e = tl.where(ok, tl.exp(s - tl.where(top == float("-inf"), 0.0, top)[:, None]), 0.0)  # padding rows: 0
+        s = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
+    score = tl.where(c < C, tl.sum(tl.where(ok, s, 0.0), 0), float("-inf"))
+    # (score, bucket) as one int64: the fp32 bits made order-preserving as int32, then the bucket reversed so that
+    # a descending sort puts ties in ascending bucket order
+    bits = score.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    srt = tl.sort((key << 32) | (CP - 1 - c).to(tl.int64), descending=True)
+    bucket = (CP - 1 - (srt & 0xFFFFFFFF)).to(tl.int32)
+    chosen = c < probes  # c: the rank
+    cnt = tl.load(CNT + b * s_nb + (hs // sel_per_kv) * s_nh + bucket, mask=chosen, other=0)
+    ends = tl.cumsum(cnt, 0)
+    out = BASES + b * s_bb + hs * s_bh
+    tl.store(out + bucket, tl.where(chosen, ends if NEWEST else ends - cnt, -1), mask=bucket < C)
+    tl.store(out + C, -1)  # the "no key" sentinel
+
+
+def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1, softmax: bool = False,
+                 newest_first: bool = False, num_warps: int = 8) -> torch.Tensor:
+    """Contract of `reference.bucket_bases_reference`: int32 [B, Hq / group, C + 1]."""
+    B, Hq, C = scores.shape
+    Hkv = counts.shape[1]
+    Hs = Hq // group
+    if Hq % group or Hs % Hkv or counts.shape != (B, Hkv, C + 1) or not 1 <= probes <= C:
+        raise ValueError(f"bucket_bases: scores {tuple(scores.shape)}, group {group}, counts {tuple(counts.shape)} "
+                         f"and probes {probes} do not fit together")
+    s = scores.float()
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    if counts.stride(-1) != 1:
+        counts = counts.contiguous()
+    bases = torch.empty(B, Hs, C + 1, dtype=torch.int32, device=scores.device)
+    _bases_kernel[(B * Hs,)](
+        s, counts, bases, C, group, Hs, Hs // Hkv, probes,
+        s.stride(0), s.stride(1), counts.stride(0), counts.stride(1), bases.stride(0), bases.stride(1),
+        GP=triton.next_power_of_2(group), CP=triton.next_power_of_2(C), SOFTMAX=softmax, NEWEST=newest_first,
+        num_warps=num_warps)
+    return bases
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the visited lists' positions
+
+
+@triton.jit
+def _bucket_gather_kernel(BKT, ORD, BASE, OUT, COUNT, LENS,
                           s_kb, s_kh, s_bb, s_bh, s_ob, s_oh,
-                          n_sel_heads, sel_per_kv, lo, hi, cap, chunk,
+                          n_sel_heads, sel_per_kv, lo, hi, cap, chunk, span, sink, window,
                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
     bh = tl.program_id(1)
@@ -34,11 +287,13 @@ def _bucket_gather_kernel(BKT, ORD, BASE, OUT, ROW_LO, ROW_HI,
     r_lo = lo
     r_hi = hi
     if ROWS:  # this row's own region (a graph-replayed step scans the region of the longest row)
-        r_lo = tl.maximum(r_lo, tl.load(ROW_LO + b).to(tl.int32))
-        r_hi = tl.minimum(r_hi, tl.load(ROW_HI + b).to(tl.int32))
+        L = tl.load(LENS + b).to(tl.int32)
+        r_lo = tl.maximum(r_lo, window_first(L, span) + sink)
+        r_hi = tl.minimum(r_hi, L - window)
     start = lo + c * chunk
     stop = tl.minimum(start + chunk, hi)
     k_off = b.to(tl.int64) * s_kb + kv * s_kh
+    stored = tl.zeros([BLOCK], tl.int32)
     for s0 in range(start, stop, BLOCK):
         p = s0 + tl.arange(0, BLOCK)
         ok = (p < stop) & (p >= r_lo) & (p < r_hi)
@@ -48,28 +303,30 @@ def _bucket_gather_kernel(BKT, ORD, BASE, OUT, ROW_LO, ROW_HI,
         slot = base + od
         ok = ok & (base >= 0) & (slot < cap)
         tl.store(OUT + b.to(tl.int64) * s_ob + hs * s_oh + slot, p.to(tl.int64), mask=ok)
+        stored += ok.to(tl.int32)
+    tl.atomic_add(COUNT, tl.sum(stored, 0), sem="relaxed")  # integers: the same total in any order
 
 
 def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int, hi: int,
-                  row_lo: torch.Tensor | None = None, row_hi: torch.Tensor | None = None,
-                  block: int = 1024) -> torch.Tensor:
-    """Contract of `reference.bucket_gather_reference`: int64 [B, Hs, cap], -1 where no key lands."""
+                  bounds: RowBounds | None = None, block: int = 1024, chunk: int = CHUNK,
+                  num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.bucket_gather_reference`: (int64 [B, Hs, cap], -1 where no key lands; the mean number
+    of keys that landed per (row, head), 0-dim fp32), the count summed by the programs as they store."""
     B, Hkv, _ = buckets.shape
     Hs = bases.shape[1]
     out = torch.full((B, Hs, cap), -1, dtype=torch.int64, device=buckets.device)
-    if hi <= lo or cap <= 0:
-        return out
-    if buckets.stride(-1) != 1 or ordinals.stride() != buckets.stride():
-        raise ValueError("buckets and ordinals must share a layout with contiguous positions")
-    bases = bases.to(torch.int32).contiguous()
-    rows = row_lo is not None or row_hi is not None
-    bounds = [bases, bases]  # unread without `rows`
-    if rows:  # [B] int32 on the device
-        bounds = [(torch.full((B,), d, device=buckets.device) if t is None else t.reshape(-1).expand(B))
-                  .to(torch.int32).contiguous() for t, d in ((row_lo, lo), (row_hi, hi))]
-    grid = (triton.cdiv(hi - lo, CHUNK), B * Hs)
-    _bucket_gather_kernel[grid](
-        buckets, ordinals, bases, out, *bounds,
-        buckets.stride(0), buckets.stride(1), bases.stride(0), bases.stride(1), out.stride(0), out.stride(1),
-        Hs, Hs // Hkv, lo, hi, cap, CHUNK, ROWS=rows, BLOCK=block, num_warps=4)
-    return out
+    count = torch.zeros(1, dtype=torch.int32, device=buckets.device)
+    if hi > lo and cap > 0:
+        if buckets.stride(-1) != 1 or ordinals.stride() != buckets.stride():
+            raise ValueError("buckets and ordinals must share a layout with contiguous positions")
+        bases = bases.to(torch.int32).contiguous()
+        if bounds is not None:
+            bounds.check(B, buckets.device)
+        lens, b_args = (bounds.lengths, (bounds.span, bounds.sink, bounds.window)) if bounds is not None \
+            else (bases, (0, 0, 0))  # unread placeholders without bounds
+        _bucket_gather_kernel[(triton.cdiv(hi - lo, chunk), B * Hs)](
+            buckets, ordinals, bases, out, count, lens,
+            buckets.stride(0), buckets.stride(1), bases.stride(0), bases.stride(1), out.stride(0), out.stride(1),
+            Hs, Hs // Hkv, lo, hi, cap, chunk, *b_args, ROWS=bounds is not None, BLOCK=min(block, chunk),
+            num_warps=num_warps)
+    return out, torch.div(count, max(B * Hs, 1)).view(())

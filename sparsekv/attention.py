@@ -49,18 +49,21 @@ def sparsekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     return out.transpose(1, 2).contiguous(), None
 
 
-def decode_attention(cache: SparseCache, layer: int, query: torch.Tensor) -> torch.Tensor:
+def decode_attention(cache: SparseCache, layer: int, query: torch.Tensor,
+                     q_pre: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of `layer` after its cache update: the method's selection (or every key the layer may see,
     on dense layers and for the dense method), then the shared sparse-decode call. query [B, Hq, 1, D] ->
     [B, 1, Hq, D]. The layer's pattern decides the keys it may see, its scale and its softcapping; no mask is
-    read, so the eager and the split decode step run exactly this."""
+    read, so the eager and the split decode step run exactly this. `q_pre`: the query before RoPE where the caller
+    has it (the split step), else it is rotated back when the method needs it."""
     state = cache.layer_state(layer)
     pattern = state.pattern
     scale = pattern.scaling if pattern.scaling is not None else query.shape[-1] ** -0.5
     if cache.runs_method(layer):
-        # the query's position: each row's write slot in a decode step (device: a replayed graph, ragged rows)
-        at = cache.slots if cache.step_pos is not None else state.length - 1
-        q_pre = cache.pre_rope(query, at, layer) if cache.method.needs_pre_rope else None
+        if not cache.method.needs_pre_rope:
+            q_pre = None
+        elif q_pre is None:  # at the query's position: each row's write slot in a decode step (device: ragged rows)
+            q_pre = cache.pre_rope(query, cache.slots if cache.step_pos is not None else state.length - 1, layer)
         sel = cache.method.select(state, query, q_pre)
         cache.stats.add_selection(sel)
     else:

@@ -30,6 +30,7 @@ def active_cache() -> "SparseCache | None":
 
 # LayerState fields the cache itself keeps (K/V buffers, lengths): load_row copies the method's fields only
 _CACHE_FIELDS = frozenset({"keys", "values", "lengths"})
+PRE_ROPE = "sparsekv_pre_rope"  # cache_kwargs key of a decode step's keys before RoPE (the split step hands them)
 
 
 @dataclass(frozen=True)
@@ -138,14 +139,15 @@ class SparseLayer(CacheLayerMixin):
         self.state.lengths, self.state.extent = c.lengths, c.extent
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None, *args,
+               **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         c = self.cache
         n = key_states.shape[2]
         if n == 1 and c.step_pos is not None:  # a decode step: the write slot comes from the device
             ops.write_kv(self.keys, self.values, c.slots, key_states, value_states)
-            self._index(key_states, value_states, c.slots)
+            self._index(key_states, value_states, c.slots, (cache_kwargs or {}).get(PRE_ROPE))
             return self.keys, self.values
         start = self.length
         if start + n > c.max_len:
@@ -160,10 +162,16 @@ class SparseLayer(CacheLayerMixin):
         self._index(key_states, value_states, start)
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
-    def _index(self, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
+    def _index(self, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor,
+               k_pre: torch.Tensor | None = None) -> None:
+        """The method's append of keys k at pos; `k_pre`: the keys before RoPE where the caller has them (the split
+        step), else they are rotated back when the method needs them."""
         c = self.cache
         if c.indexes(self.layer_idx):
-            k_pre = c.pre_rope(k, pos, self.layer_idx) if c.method.needs_pre_rope else None
+            if not c.method.needs_pre_rope:
+                k_pre = None
+            elif k_pre is None:
+                k_pre = c.pre_rope(k, pos, self.layer_idx)
             c.method.append(self.state, k, v, k_pre, pos)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

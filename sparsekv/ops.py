@@ -266,14 +266,47 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, k: to
     (kern.write_kv if kern else ref.write_kv_reference)(keys, values, slot, k, v)
 
 
-# -- SAAP's inverted lists (kernels/saap.py) ---------------------------------------------------------------------
+# -- SAAP's decode step (kernels/saap.py) -------------------------------------------------------------------------
+
+def saap_append(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, centroids: torch.Tensor,
+                k: torch.Tensor, pos: torch.Tensor, sink: int, window: int, newest_first: bool = False) -> None:
+    """A decode step's keys k [B, Hkv, 1, D] at device positions pos [B]: each one's bucket recorded, and the key
+    leaving the dense window appended to its bucket's list (sparsekv/saap/lists.py), in place."""
+    if use_kernels(k.device):
+        from sparsekv.kernels.saap import saap_append as kernel
+
+        return kernel(buckets, ordinals, counts, centroids, k, pos, sink, window, newest_first)
+    return ref.saap_append_reference(buckets, ordinals, counts, centroids, k, pos, sink, window, newest_first)
+
+
+def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None) -> torch.Tensor:
+    """fp32 [B, Hq, C]: queries x [B, Hq, 1, D] scored against their KV head's buckets by the folded Q-model
+    (w1, b1, w2, b2), else by the centroids' inner products."""
+    if use_kernels(x.device):
+        from sparsekv.kernels.saap import bucket_logits as kernel
+
+        return kernel(x, centroids, model)
+    return ref.bucket_logits_reference(x, centroids, model)
+
+
+def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1, softmax: bool = False,
+                 newest_first: bool = False) -> torch.Tensor:
+    """int32 [B, Hq / group, C + 1]: the first slot of each of the `probes` best buckets (group-summed scores,
+    softmaxed first with `softmax`) when their lists are laid end to end best first, -1 for the others."""
+    if use_kernels(scores.device):
+        from sparsekv.kernels.saap import bucket_bases as kernel
+
+        return kernel(scores, counts, probes, group, softmax, newest_first)
+    return ref.bucket_bases_reference(scores, counts, probes, group, softmax, newest_first)
+
 
 def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int, hi: int,
-                  row_lo: torch.Tensor | None = None, row_hi: torch.Tensor | None = None) -> torch.Tensor:
-    """Positions [B, Hs, cap] (-1 pads) of the keys in [lo, hi) whose buckets are visited: the key at p goes to slot
-    bases[bucket[p]] + ordinals[p] (the visited lists end to end; sparsekv/saap/lists.py)."""
+                  bounds: ref.RowBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, Hs, cap] (-1 pads) of the keys in [lo, hi) (and each row's region from `bounds`) whose buckets
+    are visited: the key at p goes to slot bases[bucket[p]] + ordinals[p] (the visited lists end to end); and how
+    many there are per (row, head) on average (0-dim fp32, on the device)."""
     if use_kernels(buckets.device):
         from sparsekv.kernels.saap import bucket_gather as kernel
 
-        return kernel(buckets, ordinals, bases, cap, lo, hi, row_lo, row_hi)
-    return ref.bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, row_lo, row_hi)
+        return kernel(buckets, ordinals, bases, cap, lo, hi, bounds)
+    return ref.bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, bounds)

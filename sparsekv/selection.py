@@ -46,6 +46,7 @@ class Selection:
     bucket_offsets: torch.Tensor | None = None  # [B, H, n_buckets + 1] CSR offsets into bucket_tokens
     bucket_tokens: torch.Tensor | None = None  # [B, H, T] token positions grouped by bucket
     padded: bool = True  # False when `indices` holds no -1 (a top-k result): its count is known on the host
+    count: torch.Tensor | None = None  # 0-dim fp32 on the device: the mean of n_selected, where the maker counted it
     span: int = 0  # the layer's sliding window (keys the newest one may see), 0 = all: start = length - span
     lengths: torch.Tensor | None = None  # [B] valid keys per row on the device: what the kernels read when given
     extent: int | None = None  # a graph-replayed step: kernel grids span this many cache slots, not `length`
@@ -76,6 +77,8 @@ class Selection:
             return 0
         if self.indices is not None and not self.padded:
             return self.indices.shape[-1]
+        if self.count is not None:
+            return self.count
         if self.blocks is not None and self.indices is None:
             self.sparse_positions()  # counted where the positions are made
             return self._count

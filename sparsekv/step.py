@@ -33,6 +33,7 @@ import torch
 
 from . import ops
 from .attention import decode_attention
+from .cache import PRE_ROPE
 from .cache import SparseCache
 from .errors import SparseKVError
 from .models import LoadedModel, cache_kwarg
@@ -89,7 +90,8 @@ class SplitForward:
         self.gate_up_w = [_joined(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
 
     def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Layer i's q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (post-RoPE) of its normalised input x [B, 1, hidden]."""
+        """Layer i's q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (post-RoPE) of its normalised input x [B, 1, hidden], and
+        q and k before RoPE (views: what a method that indexes pre-RoPE vectors reads, exactly and for free)."""
         attn = self.layers[i].self_attn
         shape = (*x.shape[:-1], -1, attn.head_dim)
         if self.qkv_w[i] is not None:
@@ -102,7 +104,8 @@ class SplitForward:
         if hasattr(attn, "q_norm"):  # qwen3 normalises q and k per head before RoPE
             q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)[0]
             k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)[0]
-        return ops.rope(q.transpose(1, 2), cos, sin), ops.rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v.transpose(1, 2), q, k
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         m = self.layers[i].mlp
@@ -113,10 +116,10 @@ class SplitForward:
             gate, up = m.gate_proj(x), m.up_proj(x)
         return m.down_proj(ops.silu_mul(gate, up))
 
-    def attend(self, i: int, cache: SparseCache, q, k, v) -> torch.Tensor:
+    def attend(self, i: int, cache: SparseCache, q, k, v, q_pre, k_pre) -> torch.Tensor:
         """Layer i's cache update and attention (the method's select included) -> [B, 1, Hq * D]."""
-        cache.update(k, v, i)
-        out = decode_attention(cache, i, q)
+        cache.update(k, v, i, {PRE_ROPE: k_pre})
+        out = decode_attention(cache, i, q, q_pre)
         return out.reshape(*out.shape[:2], -1)
 
     def forward(self, cache: SparseCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -128,8 +131,7 @@ class SplitForward:
         for i, layer in enumerate(self.layers):
             ln = layer.input_layernorm
             x, h = ops.rms_norm(h if out is None else out, ln.weight, ln.variance_epsilon, None if out is None else h)
-            q, k, v = self.qkv(i, x, cos, sin)
-            o = layer.self_attn.o_proj(self.attend(i, cache, q, k, v))
+            o = layer.self_attn.o_proj(self.attend(i, cache, *self.qkv(i, x, cos, sin)))
             ln = layer.post_attention_layernorm
             x, h = ops.rms_norm(o, ln.weight, ln.variance_epsilon, h)
             out = self.mlp(i, x)

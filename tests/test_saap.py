@@ -12,14 +12,16 @@ from sparsekv.activations import dump_activations, load_activations
 from sparsekv.artifacts import ArtifactError, save_artifact
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
-from sparsekv.kernels.reference import bucket_gather_reference
+from sparsekv import ops
+from sparsekv.kernels.reference import (RowBounds, bucket_bases_reference, bucket_gather_reference,
+                                       bucket_logits_reference, saap_append_reference, slot_bases)
 from sparsekv.methods import CacheShape, get_method
 from sparsekv.models import tiny_random, wire
 from sparsekv.rope import find_rotary, rope_tables, rotate_half
 from sparsekv.saap.fit import fit_index, index_keys
 from sparsekv.saap.kmeans import clusters_for, spherical_kmeans
-from sparsekv.saap.lists import admit, admit_at, new_lists, record, slot_bases
-from sparsekv.saap.model import QueryModel, assign, model_probs, random_index
+from sparsekv.saap.lists import admit, new_lists, record
+from sparsekv.saap.model import QueryModel, assign, random_index
 from sparsekv.offline.data import DumpExamples
 from sparsekv.saap.objective import LongRange, SaapObjective
 from sparsekv.selection import BudgetSplit
@@ -89,14 +91,21 @@ def _lists_by_hand(buckets: torch.Tensor, first: int, last: int, clusters: int):
              for h in range(H)] for b in range(B)]
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels: the GPU, else the interpreter
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
 @pytest.mark.parametrize("newest_first", [False, True], ids=["oldest first", "newest first"])
-def test_appending_key_by_key_equals_a_rebuilt_index(newest_first):
-    """Chunks (prefill), then one key per decode step at device slots, give the lists a one-shot build gives: each
-    key's ordinal is its index in its bucket's list of the keys that left the window (-1 - index newest first)."""
+def test_appending_key_by_key_equals_a_rebuilt_index(newest_first, kernel):
+    """Chunks (prefill), then one key per decode step at device slots (`ops.saap_append`: its bucket, and the key
+    leaving the window into its list), give the lists a one-shot build gives: each key's ordinal is its index in its
+    bucket's list of the keys that left the window (-1 - index newest first)."""
     B, H, C, n, sink, window = 2, 3, 5, 70, 1, 6
     g = torch.Generator().manual_seed(0)
     new = torch.randint(0, C, (B, H, n), generator=g)
     new[:, 1] = 3  # one huge bucket (and four empty ones) in head 1
+    cents = torch.eye(C).expand(H, C, C)  # key 2·e_c is nearest to centroid c
+    keys = 2 * torch.nn.functional.one_hot(new, C).float()
     grown = new_lists(B, H, n, C, "cpu")
     pos = 0
     for size in (7, 1, 20):  # prefill chunks, host positions
@@ -104,11 +113,14 @@ def test_appending_key_by_key_equals_a_rebuilt_index(newest_first):
         first = max(sink, pos - window)
         admit(*grown, first, pos + size - window - first, newest_first)
         pos += size
-    while pos < n:  # decode steps: device write slots
-        slots = torch.full((B,), pos)
-        record(grown[0], new[:, :, pos : pos + 1], slots)
-        admit_at(*grown, slots - window, slots - window >= sink, newest_first)
-        pos += 1
+    dev = DEV if kernel else "cpu"
+    grown = [t.to(dev) for t in grown]
+    with ops.kernels(kernel):
+        while pos < n:  # decode steps: device write slots
+            ops.saap_append(*grown, cents.to(dev), keys[:, :, pos : pos + 1].to(dev), torch.full((B,), pos, device=dev),
+                            sink, window, newest_first)
+            pos += 1
+    grown = [t.cpu() for t in grown]
     rebuilt = new_lists(B, H, n, C, "cpu")
     record(rebuilt[0], new, 0)
     admit(*rebuilt, sink, n - window - sink, newest_first)
@@ -121,6 +133,37 @@ def test_appending_key_by_key_equals_a_rebuilt_index(newest_first):
             for lst in lists:
                 want = [-1 - i for i in range(len(lst))] if newest_first else list(range(len(lst)))
                 assert [int(ordinals[b, h, p]) for p in lst] == want
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_append_kernel_equals_its_reference(window):
+    """The decode step's append kernel (Triton: interpreted on the CPU) = its torch reference over two steps, on
+    random keys and centroids in blocks of 16 (combined across programs; a tie between blocks goes to the lower
+    bucket), rows at different positions (one still inside its sink + window: no key leaves it), window 0 (the
+    leaving key is the new one)."""
+    from sparsekv.kernels.saap import saap_append
+
+    B, H, C, D, n, sink = 3, 2, 37, 20, 40, 2
+    g = torch.Generator().manual_seed(5)
+    cents = torch.nn.functional.normalize(torch.randn(H, C, D, generator=g), dim=-1)
+    cents[0, 30] = cents[0, 5]
+    pre = torch.randn(B, H, 30, D, generator=g)
+    state = new_lists(B, H, n, C, "cpu")
+    record(state[0], assign(pre, cents), 0)
+    admit(*state, sink, 30 - window - sink, True)
+    state[0][2, :, 3:] = C  # row 2 holds 3 keys
+    want = [t.clone() for t in state]
+    got = [t.clone().to(DEV) for t in state]
+    for step in range(2):
+        k = torch.randn(B, H, 1, D, generator=g)
+        k[1, 0, 0] = 2 * cents[0, 5]  # nearest: buckets 5 and 30, tied
+        pos = torch.tensor([30, 31, 3]) + step
+        saap_append_reference(*want, cents, k, pos, sink, window, True)
+        saap_append(*got, cents.to(DEV), k.to(DEV), pos.to(DEV), sink, window, True, block_c=16)
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b)
+        assert want[0][1, 0, 31 + step] == 5
+    assert not torch.equal(want[2], state[2])  # some key joined a list
 
 
 def _gather_by_hand(buckets, counts_lists, chosen, cap, lo, hi, row_lo=None, row_hi=None, newest_first=False):
@@ -151,7 +194,7 @@ CASES = {"balanced": dict(huge=False, cap=200, group=True), "one huge bucket": d
 def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows, newest_first):
     """Visited lists laid out by the kernel (Triton, interpreted on the CPU) = the torch reference = the lists by
     hand: empty buckets among the chosen, one bucket holding every key, per-query-head choices, a cap that cuts (and
-    newest first, the cap keeps the newest keys of the bucket it cuts)."""
+    newest first, the cap keeps the newest keys of the bucket it cuts), each row's region from its device length."""
     from sparsekv.kernels.saap import bucket_gather
 
     huge, cap, group = CASES[case]["huge"], CASES[case]["cap"], CASES[case]["group"]
@@ -169,16 +212,67 @@ def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows, new
     per_sel = counts if group else counts.repeat_interleave(G, dim=1)
     bases = slot_bases(per_sel, chosen, newest_first)
     lo, hi = 1, n - 9
+    # row 0's sliding window starts at 2 (its region [3, n - 9)), row 1 is 159 keys long (region [1, 150))
+    bounds = RowBounds(torch.tensor([n, 159]), span=n - 2, sink=1, window=9) if rows else None
     row_lo, row_hi = (torch.tensor([3, 1]), torch.tensor([n - 9, 150])) if rows else (None, None)
-    ref = bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, row_lo, row_hi)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: the GPU, else the interpreter
-    on = [None if t is None else t.to(dev) for t in (buckets, ordinals, bases, row_lo, row_hi)]
-    got = bucket_gather(on[0], on[1], on[2], cap, lo, hi, on[3], on[4])
-    assert torch.equal(got.cpu(), ref)
+    ref, count = bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, bounds)
+    on = [t.to(DEV) for t in (buckets, ordinals, bases)]
+    on_bounds = None if bounds is None else RowBounds(bounds.lengths.to(DEV), n - 2, 1, 9)
+    for chunk in (2048, 64):  # one program per row, or several that add their counts
+        got, got_count = bucket_gather(*on, cap, lo, hi, on_bounds, chunk=chunk)
+        assert torch.equal(got.cpu(), ref) and got_count.shape == ()
+        assert float(got_count) == pytest.approx(float(count), rel=1e-6)  # a CUDA divide may round differently
+    assert float(count) == pytest.approx(float((ref >= 0).sum()) / (ref.shape[0] * ref.shape[1]), rel=1e-6)
     hand = _gather_by_hand(buckets, _lists_by_hand(buckets, 1, n - 9, C), chosen, cap, lo, hi, row_lo, row_hi,
                            newest_first)
     assert torch.equal(ref, hand)
     assert (ref >= 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("model", [True, False], ids=["query model", "centroids"])
+@pytest.mark.parametrize("heads", [(6, 2), (2, 2)], ids=["groups of 3", "no GQA"])
+def test_bucket_logits_kernel_equals_its_reference(dtype, model, heads):
+    """The queries' bucket logits in one launch (both layers of the folded Q-model, or the centroids' inner
+    products) = the reference, over a batch and a bucket count that is no power of two."""
+    from sparsekv.kernels.saap import bucket_logits
+
+    Hq, Hkv = heads
+    B, D, M, C = 3, 20, 48, 37
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    cents = torch.nn.functional.normalize(torch.randn(Hkv, C, D, generator=g), dim=-1).to(dtype)
+    weights = (torch.randn(Hkv, D, M, generator=g) / 4, torch.randn(Hkv, M, generator=g) / 4,
+               torch.randn(Hkv, M, C, generator=g) / 6, torch.randn(Hkv, C, generator=g) / 4)
+    w = tuple(t.to(dtype) for t in weights) if model else None
+    want = bucket_logits_reference(x, cents, w)
+    got = bucket_logits(x.to(DEV), cents.to(DEV), None if w is None else tuple(t.to(DEV) for t in w),
+                        block_c=16, block_m=16)  # several blocks of buckets and of the hidden layer
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "raw scores"])
+@pytest.mark.parametrize("group", [3, 1], ids=["pooled over the group", "per query head"])
+@pytest.mark.parametrize("newest_first", [False, True], ids=["oldest first", "newest first"])
+def test_bucket_bases_kernel_equals_its_reference(softmax, group, newest_first):
+    """The visited buckets' first slots in one launch (softmax, the group's sum, the best ℓ by one sort) = the
+    reference, ties included (to the lower bucket), empty buckets among the chosen."""
+    from sparsekv.kernels.saap import bucket_bases
+
+    B, Hkv, G, C, probes = 2, 2, 3, 37, 7
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(B, Hkv * G, C, generator=g)
+    scores[:, :, 20:30] = scores[:, :, 20:21]  # ties: ten buckets with the same logits in every head
+    scores[:, :, 20:30] += 5
+    counts = torch.randint(0, 9, (B, Hkv, C + 1), generator=g, dtype=torch.int32)
+    counts[..., C] = 0
+    counts[..., 22] = 0
+    want = bucket_bases_reference(scores, counts, probes, group, softmax, newest_first)
+    got = bucket_bases(scores.to(DEV), counts.to(DEV), probes, group, softmax, newest_first)
+    assert torch.equal(got.cpu(), want)
+    assert ((want[..., :C] >= 0).sum(-1) == probes).all() and (want[..., C] == -1).all()
+    assert (want[..., 20:27] >= 0).all() and (want[..., 27:30] == -1).all()  # the tie goes to the lower buckets
 
 
 # -- the offline stage --------------------------------------------------------------------------------------------
@@ -208,8 +302,10 @@ def test_folded_query_model_equals_the_batch_normed_one():
     m.eval()
     want = torch.softmax(m(x), -1)
     w = m.folded()
-    got = model_probs(x.view(2, 3, 40, 8), w["w1"], w["b1"], w["w2"], w["b2"])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer in range(2):  # a decode step's logits: the 40 queries as batch rows, one per head
+        model = tuple(w[n][layer] for n in ("w1", "b1", "w2", "b2"))
+        got = bucket_logits_reference(x[layer].transpose(0, 1)[:, :, None], torch.zeros(3, 5, 8), model)
+        torch.testing.assert_close(torch.softmax(got, -1), want[layer].transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
 def _batch_norm_written_out(m: QueryModel, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -455,7 +551,9 @@ def test_select_reads_only_the_visited_buckets_within_the_cap(tiny, cap_keep):
     m.append(st, k, k, k, 0)
     q = torch.randn(1, 6, 1, 20, generator=g)
     sel = m.select(st, q, q)
-    scores = model_probs(q, *(index[n][0] for n in ("w1", "b1", "w2", "b2")))[:, :, 0].view(1, 2, 3, 6).sum(2)
+    w1, b1, w2, b2 = (index[n][0] for n in ("w1", "b1", "w2", "b2"))  # the Q-model written out, per KV head
+    logits = torch.relu(q.view(2, 3, 20) @ w1 + b1[:, None]) @ w2 + b2[:, None]
+    scores = torch.softmax(logits, -1).sum(1).view(1, 2, 6)
     top = scores.topk(2, dim=-1).indices
     buckets = assign(k, index["centroids"][0])
     keys = range(1, 76) if cap_keep == "oldest" else range(75, 0, -1)

@@ -141,7 +141,10 @@ def test_other_architectures_keep_the_transformers_step(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("method", [("dense", {}), ("oracle", {"budget": 8}), ("quest", {"budget": 32})])
+@pytest.mark.parametrize("method", [("dense", {}), ("oracle", {"budget": 8}), ("quest", {"budget": 32}),
+                                    ("saap", {"budget": 64, "sink": 1, "window": 8, "probes": 3,
+                                              "index": random_index(2, 2, 20, clusters=8, hidden=16)})],
+                         ids=lambda m: m[0])
 def test_graph_step_equals_transformers_step_on_gpu(method, monkeypatch):
     from sparsekv.models import tiny_random
 

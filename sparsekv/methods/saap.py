@@ -6,12 +6,14 @@ The index comes from `sparsekv index` (sparsekv/saap/fit.py): per (layer, KV hea
 pre-RoPE keys (spherical k-means, faiss) and the query model (Q-model, an MLP D -> 1024 -> C). At decode time:
 - `append` assigns each key to its nearest centroid by inner product (§4 "Asymmetric assignment": keys keep the
   k-means assignment); a key joins its bucket's inverted list on the device when it leaves the dense window
-  (sparsekv/saap/lists.py: the lists grow in place, one key per decode step, no rebuild);
-- `select` runs the Q-model on each query head's pre-RoPE query, sums the group's bucket distributions (§5
-  "Batched queries"; pooling "head" instead picks per query head, the paper's "Independent" of Appendix E.3), takes
-  the top-ℓ buckets and lays their lists end to end, best bucket first (`ops.bucket_gather`, the CSR order of the
-  paper's Appendix F; within a list newest key first, see "Budget and cap"); the shared sparse-decode kernel
-  attends them with the dense part.
+  (sparsekv/saap/lists.py: the lists grow in place, one key per decode step, no rebuild; `ops.saap_append`, one
+  launch, in a decode step);
+- `select` runs the Q-model on each query head's pre-RoPE query (`ops.bucket_logits`), sums the group's bucket
+  distributions (§5 "Batched queries"; pooling "head" instead picks per query head, the paper's "Independent" of
+  Appendix E.3) and takes the top-ℓ buckets (`ops.bucket_bases`), and lays their lists end to end, best bucket
+  first (`ops.bucket_gather`, the CSR order of the paper's Appendix F; within a list newest key first, see "Budget
+  and cap"); the shared sparse-decode kernel attends them with the dense part. The split decode step hands the
+  method q and k before RoPE as it computes them, so nothing is rotated back.
 
 Budget and cap. The number of keys in the visited buckets varies from step to step; a captured decode step needs a
 fixed shape, so the sparse part is a fixed-size list of `budget - sink - window` positions (the budget counts every
@@ -47,11 +49,10 @@ import torch
 from .. import ops
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
-from ..patterns import window_start
 from ..pooling import Pooling
-from ..saap.lists import admit, admit_at, new_lists, record, slot_bases
-from ..saap.model import assign, centroid_scores, model_probs, pooled
-from ..selection import BudgetSplit, Selection
+from ..saap.lists import admit, new_lists, record
+from ..saap.model import assign
+from ..selection import Selection
 from .base import CacheShape, LayerState, Method, register
 
 MODEL_KEYS = ("w1", "b1", "w2", "b2")
@@ -171,43 +172,27 @@ class Saap(Method):
         """Assign keys [B, Hkv, n, D] at positions [pos, pos + n) to their nearest centroids; the keys that leave the
         dense window with them (those `window` positions earlier, past the sink) join their buckets' lists."""
         x = self._indexed(state, k_pre_rope if self.space == "pre" else k, "keys")
-        record(state.buckets, assign(x, state.centroids), pos)
-        if isinstance(pos, int):  # keys [sink, pos - window) are in the lists already
+        if isinstance(pos, int):  # a prefill chunk; keys [sink, pos - window) are in the lists already
+            record(state.buckets, assign(x, state.centroids), pos)
             first = max(self.sink, pos - self.window)
             admit(state.buckets, state.ordinals, state.counts, first, pos + k.shape[2] - self.window - first,
                   self._newest)
-        else:
-            p = pos.long() - self.window
-            admit_at(state.buckets, state.ordinals, state.counts, p, p >= self.sink, self._newest)
+        else:  # a decode step at device positions: one launch
+            ops.saap_append(state.buckets, state.ordinals, state.counts, state.centroids, x, pos, self.sink,
+                            self.window, self._newest)
 
     def select(self, state: SaapState, q: torch.Tensor, q_pre_rope) -> Selection:
         split = self.split(state)
         if split.dense or split.k <= 0 or split.hi <= split.lo:
             return split.selection()
         x = self._indexed(state, q_pre_rope if self.space == "pre" else q, "queries")
-        chosen = torch.topk(self.bucket_scores(state, x), self.probes, dim=-1).indices  # [B, Hs, ℓ], best first
-        counts = state.counts
-        if chosen.shape[1] != counts.shape[1]:  # pooling "head": each query head reads its KV head's lists
-            counts = counts.repeat_interleave(chosen.shape[1] // counts.shape[1], dim=1)
-        row_lo, row_hi = self._row_bounds(split, x.device)
-        pos = ops.bucket_gather(state.buckets, state.ordinals, slot_bases(counts, chosen, self._newest), split.k,
-                                split.lo, split.hi, row_lo, row_hi)
-        return split.selection(indices=pos)
-
-    def bucket_scores(self, state: SaapState, x: torch.Tensor) -> torch.Tensor:
-        """fp32 [B, Hs, C]: the Q-model's bucket probabilities of queries x [B, Hq, 1, D] (else their centroid inner
-        products), summed over each group with pooling "group"."""
-        s = model_probs(x, *state.model) if state.model is not None else centroid_scores(x, state.centroids)
-        return pooled(s, state.centroids.shape[0], self.pooling is Pooling.GROUP)[:, :, 0]
-
-    @staticmethod
-    def _row_bounds(split: BudgetSplit, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A graph-replayed step's per-row sparse regions [B] on the device (None: the host region is exact)."""
-        if split.extent is None:
-            return None, None
-        L = split.row_lengths(device).view(-1)
-        start = window_start(L, split.span) if split.span else torch.zeros_like(L)
-        return start + split.sink, L - split.window
+        group = x.shape[1] // state.centroids.shape[0] if self.pooling is Pooling.GROUP else 1
+        scores = ops.bucket_logits(x, state.centroids, state.model)  # [B, Hq, C]
+        bases = ops.bucket_bases(scores, state.counts, self.probes, group, softmax=state.model is not None,
+                                 newest_first=self._newest)
+        pos, count = ops.bucket_gather(state.buckets, state.ordinals, bases, split.k, split.lo, split.hi,
+                                       split.bounds())
+        return split.selection(indices=pos, count=count)
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()

@@ -6,20 +6,21 @@ form, per (batch row, KV head):
   buckets  [B, H, max_len] int32: the bucket of the key at each position (C: no key there yet);
   ordinals [B, H, max_len] int32: its index in its bucket's list (a bucket's keys in position order);
   counts   [B, H, C + 1]  int32: each list's length (the last column takes the "no key" sentinel).
-A key's bucket is recorded when it is appended (`record`); it joins its bucket's list when it leaves the dense
-window (`admit`), so the lists hold exactly the keys the sparse part chooses from (positions [sink, length -
-window) of a layer without a sliding window) and a visited list has no key the window attends anyway. Both are a
-gather and a few scatters at device positions in a decode step (no host read, fixed shapes: graph-capturable); a
-prefill chunk takes n keys at once.
-The CSR of the visited buckets is what a step reads: `slot_bases` gives each chosen bucket's first slot in a
-fixed-size output (the chosen lists end to end, best bucket first) and the key at position p lands in slot
+A key's bucket is recorded when it is appended; it joins its bucket's list when it leaves the dense window, so the
+lists hold exactly the keys the sparse part chooses from (positions [sink, length - window) of a layer without a
+sliding window) and a visited list has no key the window attends anyway. A prefill chunk takes n keys at once here
+(`record`, `admit`); a decode step's key, at device positions, takes one launch (`ops.saap_append`: its bucket,
+and the key leaving the window into its list; no host read, fixed shapes: graph-capturable).
+The CSR of the visited buckets is what a step reads: each chosen bucket's first slot in a fixed-size output (the
+chosen lists end to end, best bucket first; `ops.bucket_bases`) and the key at position p lands in slot
 base[bucket[p]] + ordinals[p] (`ops.bucket_gather`): the keys the paper's kernel reads through Idx, in its order.
 
-Newest first (`newest_first=True`, the same flag to admit, admit_at and slot_bases): each list is laid out newest
-key first, so that an output cut at its last slot drops the OLDEST keys of the bucket it cuts. The ordinals are then
-stored as -1 - index (a key's index in its list does not change as the list grows, so nothing is rewritten), and a
-chosen bucket's base is its first slot plus its length: slot = start + n - 1 - index, in [start, start + n) as
-before. The gather (kernel and reference) is unchanged: slot = base + ordinal, kept while base >= 0 and slot < cap.
+Newest first (`newest_first=True`, the same flag to admit, ops.saap_append and ops.bucket_bases): each list is laid
+out newest key first, so that an output cut at its last slot drops the OLDEST keys of the bucket it cuts. The
+ordinals are then stored as -1 - index (a key's index in its list does not change as the list grows, so nothing is
+rewritten), and a chosen bucket's base is its first slot plus its length: slot = start + n - 1 - index, in
+[start, start + n) as before. The gather (kernel and reference) is unchanged: slot = base + ordinal, kept while
+base >= 0 and slot < cap.
 """
 
 from __future__ import annotations
@@ -35,13 +36,9 @@ def new_lists(batch: int, heads: int, max_len: int, clusters: int, device) -> tu
     return buckets, ordinals, counts
 
 
-def record(buckets: torch.Tensor, new: torch.Tensor, pos: int | torch.Tensor) -> None:
-    """Write the buckets `new` [B, H, n] of keys at positions [pos, pos + n): `pos` a host int, or in a decode step
-    (n = 1) the device slots [B]."""
-    if isinstance(pos, int):
-        buckets[:, :, pos : pos + new.shape[2]] = new.to(buckets.dtype)
-    else:
-        buckets[torch.arange(new.shape[0], device=new.device), :, pos.long()] = new[:, :, 0].to(buckets.dtype)
+def record(buckets: torch.Tensor, new: torch.Tensor, pos: int) -> None:
+    """Write the buckets `new` [B, H, n] of keys at positions [pos, pos + n) (a prefill chunk)."""
+    buckets[:, :, pos : pos + new.shape[2]] = new.to(buckets.dtype)
 
 
 def admit(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, start: int, n: int,
@@ -58,27 +55,3 @@ def admit(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, s
     ordinal = torch.empty_like(rank).scatter_(-1, order, counts.gather(-1, srt) + rank)
     ordinals[:, :, start : start + n] = (-1 - ordinal if newest_first else ordinal).to(ordinals.dtype)
     counts += per
-
-
-def admit_at(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, pos: torch.Tensor,
-             valid: torch.Tensor, newest_first: bool = False) -> None:
-    """One key per batch row, at device positions pos [B] (rows where `valid` [B] is False take none): a decode
-    step's, graph-capturable."""
-    rows = torch.arange(pos.shape[0], device=pos.device)
-    p = pos.long().clamp(min=0)
-    b = buckets[rows, :, p].long()  # [B, H]
-    ok = valid.view(-1, 1)
-    index = counts.gather(-1, b[:, :, None])[:, :, 0]
-    ordinals[rows, :, p] = torch.where(ok, -1 - index if newest_first else index, ordinals[rows, :, p])
-    counts.scatter_add_(-1, b[:, :, None], ok.to(counts.dtype).expand_as(b)[:, :, None].contiguous())
-
-
-def slot_bases(counts: torch.Tensor, chosen: torch.Tensor, newest_first: bool = False) -> torch.Tensor:
-    """counts [B, Hs, C + 1] (the lists' lengths, per selection head) and the chosen buckets [B, Hs, l] (best
-    first) -> int32 [B, Hs, C + 1]: each chosen bucket's first slot when the chosen lists are laid end to end in
-    that order (`newest_first`: its first slot plus its length, for ordinals stored as -1 - index), -1 for the
-    others (and for the sentinel C)."""
-    cnt = counts.gather(-1, chosen)
-    ends = cnt.cumsum(-1)
-    base = torch.full_like(counts, -1)
-    return base.scatter_(-1, chosen, (ends if newest_first else ends - cnt).to(base.dtype))

@@ -96,21 +96,6 @@ class QueryModel(nn.Module):
                 (("w1", w1), ("b1", b1), ("w2", self.w2), ("b2", self.b2))}
 
 
-def model_probs(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor) -> torch.Tensor:
-    """The folded Q-model's bucket distribution softmax(relu(x w1 + b1) w2 + b2), fp32 [..., H, n, C] of queries
-    x [..., H, n, D] (H a multiple of the weights' Hkv: head h uses KV head h // (H // Hkv)'s model); weights
-    [..., Hkv, D, M], [..., Hkv, M], [..., Hkv, M, C], [..., Hkv, C] (leading dims broadcast with x's). The products
-    run in the weights' dtype (a decode step keeps them in the cache's: w2 is the largest tensor a step reads
-    after the keys), the softmax in fp32."""
-    Hkv = w1.shape[-3]
-    *lead, H, n, D = x.shape
-    xg = x.to(w1.dtype).reshape(*lead, Hkv, (H // Hkv) * n, D)  # a KV head's group, rows (g, i)
-    h = torch.relu(xg @ w1 + b1.unsqueeze(-2))
-    logits = (h @ w2 + b2.unsqueeze(-2)).float()
-    return torch.softmax(logits, dim=-1).reshape(*lead, H, n, -1)
-
-
 def centroid_scores(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Inner products fp32 [..., H, n, C] of x [..., H, n, D] with its KV head's centroids [..., Hkv, C, D] (H a
     multiple of Hkv), computed in the centroids' dtype: the key assignment's scores, and the queries' without a
@@ -122,10 +107,11 @@ def centroid_scores(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 
 
 def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """The bucket of each key x [..., Hkv, n, D]: argmax of its inner products with the centroids [..., Hkv, C, D]
-    (in their dtype), int64 [..., Hkv, n]; in chunks of keys, so a long prefill never holds n x C scores."""
-    ct = centroids.transpose(-1, -2)
-    out = [(x[..., i : i + chunk, :].to(ct.dtype) @ ct).argmax(-1) for i in range(0, x.shape[-2], chunk)]
+    """The bucket of each key x [..., Hkv, n, D]: argmax of its fp32 inner products with the centroids [..., Hkv, C,
+    D] (ties to the lower bucket, as a decode step's kernel assigns), int64 [..., Hkv, n]; in chunks of keys, so a
+    long prefill never holds n x C scores."""
+    ct = centroids.float().transpose(-1, -2)
+    out = [(x[..., i : i + chunk, :].float() @ ct).argmax(-1) for i in range(0, x.shape[-2], chunk)]
     return torch.cat(out, dim=-1) if out else torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device)
 
 
