@@ -299,7 +299,7 @@ def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, sc
     if idx is None or idx.shape[-1] <= k:
         return sel
     scores = exact_scores(q, keys, Pooling.HEAD if idx.shape[1] == q.shape[1] else Pooling.GROUP, idx, scale, softcap)
-    return replace(sel, indices=torch.gather(idx, 2, topk(scores, k)), padded=False)
+    return replace(sel, indices=torch.gather(idx, 2, topk(scores, k)), padded=False, count=None)
 
 
 def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: Pooling,
