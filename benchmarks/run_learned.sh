@@ -95,6 +95,6 @@ if [[ " $parts " == *" speed "* ]]; then
         --json "$out/step-$tag-llama3-8b-131k-saap.json"
     $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,lsh,spotlight --budget 2048 \
         --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k-spotlight.json"
-    $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,saap --budget 6554 \
+    $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,streaming,lsh,saap --budget 6554 \
         --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k-saap.json"
 fi

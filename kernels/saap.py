@@ -1,5 +1,6 @@
-"""SAAP's decode step in Triton: six launches a layer (append, two for the bucket logits, bases, the output's fill,
-gather), none reading back to the host: graph-capturable.
+"""SAAP's decode step in Triton: five kernels a layer (append, two for the bucket logits, bases, gather; around the
+gather three small torch launches: its output's -1 fill, a zeroed counter, the count's division), none reading back
+to the host: graph-capturable.
 
 append         one program per (batch row, KV head, block of centroids): the block's best inner product with the
                new key (fp32, ties to the lower bucket), combined across blocks by an atomic max of (score, bucket)
