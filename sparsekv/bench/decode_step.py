@@ -134,12 +134,15 @@ class DecodeBench:
 
     def _method_step(self, method, x: Inputs):
         L, st, pre = self.seq, x.state, method.needs_pre_rope
+        # the new key's write slot on the device, as a decode step hands it to `append` (a host position is a
+        # prefill chunk's, which some methods index by another path)
+        slots = torch.full((self.batch,), L - 1, dtype=torch.int32, device=self.device)
 
         def step():
             st.length = L - 1
             self._write(x)
             st.length = L
-            method.append(st, x.k_new, x.v_new, x.k_new if pre else None, L - 1)
+            method.append(st, x.k_new, x.v_new, x.k_new if pre else None, slots)
             sel = method.select(st, x.q, x.q if pre else None)
             return ops.sparse_decode(x.q, x.keys, x.values, sel, self.scale)
 
