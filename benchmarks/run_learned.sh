@@ -85,13 +85,37 @@ PY
         --json "$out/niah-saap-causal-40k-smollm2-$tag.json" "$@"
     $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/q40k/*/saap/v1)" "${small[@]}" --no-query-model \
         --json "$out/niah-saap-kmeans-128k-smollm2-$tag.json" "$@"
+    # ℓ from 8 to 64 beside the oracle and Adamas at 2-6 %, and the score-vs-selectivity plot (a fresh default fit)
+    $sk index --acts "$work/acts128k" --gap 64 --min-range 32 --out "$work/sweep" \
+        --json "$out/index-saap-causal-sweep-$tag.json"
+    for L in 8 16 32 64; do
+        $sk eval "${niah[@]}" --method saap --artifact "$(echo "$work"/sweep/*/saap/v1)" "${small[@]}" --probes $L \
+            --json "$out/niah-saap-l$L-smollm2-$tag.json" "$@"
+    done
+    $sk eval "${niah[@]}" --method dense,oracle,adamas --budget 0.02,0.03,0.045,0.06 --sink 1 --window 63 \
+        --dense-layers 0 --json "$out/niah-budgets-smollm2-$tag.json" "$@"
+    # each SAAP cell's paired difference to dense and to the oracle at 6 % (the same prompts in both runs)
+    python3 - "$out/niah-budgets-smollm2-$tag.json" "$out"/niah-saap-l{8,16,32,64}-smollm2-$tag.json <<'PY'
+import json, sys
+from sparsekv.eval.intervals import difference
+base = json.load(open(sys.argv[1]))
+for f in sys.argv[2:]:
+    rows = json.load(open(f))
+    for r in rows:
+        for name, budget in (("dense", None), ("oracle", 0.06)):
+            b = next(x for x in base if x["method"] == name and x["seq_len"] == r["seq_len"] and x["budget"] == budget)
+            r[f"vs_{name}"] = difference(r["samples"], b["samples"])
+    json.dump(rows, open(f, "w"), indent=1)
+PY
+    $sk plot "$out"/niah-saap-l{8,16,32,64}-smollm2-$tag.json "$out/niah-budgets-smollm2-$tag.json" --x selectivity \
+        -o "$out/niah-saap-selectivity-smollm2-$tag.png"
 fi
 if [[ " $parts " == *" speed "* ]]; then
     $sk bench --require-gpu --seq 131072 --shape llama3-8b --method dense,lsh,spotlight --budget 2048 \
         --json "$out/step-$tag-llama3-8b-131k-spotlight.json"
     $sk bench --require-gpu --seq 1048576 --shape one-head --method spotlight,lsh --budget 0.02 \
         --json "$out/step-$tag-one-head-1m-spotlight.json"
-    $sk bench --require-gpu --seq 131072 --shape llama3-8b --method dense,saap --budget 6554 \
+    $sk bench --require-gpu --seq 131072 --shape llama3-8b --method flashdecode,saap --budget 6554 --no-topk \
         --json "$out/step-$tag-llama3-8b-131k-saap.json"
     $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,lsh,spotlight --budget 2048 \
         --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k-spotlight.json"

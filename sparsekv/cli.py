@@ -297,6 +297,26 @@ def eval_cmd(
         console.print(f"wrote {plot_scores(results, plot)}")
 
 
+@app.command("plot")
+def plot_cmd(
+    results: Annotated[list[Path], typer.Argument(help="eval JSON files (`eval --json`), drawn together")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="the PNG to write",
+                                      callback=_checked(validate.output_file, "--out"))],
+    x: Annotated[str, typer.Option(help="budget (keys per KV head per step) or selectivity (the share of the "
+                                        "context attended, as each run measured it)")] = "budget",
+):
+    """Draw the scores of one or more `eval` runs in one figure: one line per method and panel per task and context
+    length, dense as a dashed line. Runs that differ in a method option (SAAP's --probes) become points of one line,
+    labelled with it: e.g. `sparsekv plot saap-l*.json baselines.json --x selectivity -o niah.png`."""
+    from .eval.plot import X_AXES, load_results, plot_scores
+    from .plotting import require_matplotlib
+
+    if x not in X_AXES:
+        raise SparseKVError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
+    require_matplotlib()
+    console.print(f"wrote {plot_scores(load_results(results), out, x)}")
+
+
 @app.command()
 def demo(
     seq: Annotated[int, typer.Option(help="passkey prompt length in tokens")] = 1024,

@@ -259,3 +259,32 @@ def test_learned_stages_write_artifacts_their_methods_run(inputs, tmp_path):
         assert r.returncode == 0, r.stderr
         result = json.loads((tmp_path / f"{method}.json").read_text())  # one cell: the object itself
         assert result["method"] == method and result["method_config"]["artifact"] == art
+
+
+def test_plot_draws_eval_runs_together_against_selectivity(tmp_path):
+    """`sparsekv plot` draws several eval JSONs in one figure (runs that differ in --probes: points of one line);
+    a file that is not an eval JSON, or an unknown --x, is one clear line and exit 2."""
+    pytest.importorskip("matplotlib")
+
+    def row(method, budget, sel, score, probes=None):
+        return {"task": "ruler", "metric": "score", "seq_len": 4096, "model": "m", "n": 104, "method": method,
+                "budget": budget, "budget_tokens": None if budget is None else int(budget * 4096),
+                "selectivity": sel, "score": score, "method_config": {} if probes is None else {"probes": probes}}
+
+    runs = [[row("dense", None, 1.0, 34.6), row("oracle", 0.03, 0.03, 37.0), row("oracle", 0.06, 0.059, 33.7)],
+            row("saap", 0.06, 0.034, 16.6, 16), row("saap", 0.06, 0.047, 21.9, 32)]
+    files = []
+    for i, r in enumerate(runs):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(r))
+    for x in ("selectivity", "budget"):
+        png = tmp_path / f"{x}.png"
+        r = sparsekv("plot", *map(str, files), "--x", x, "--out", str(png))
+        assert r.returncode == 0, r.stderr
+        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    r = sparsekv("plot", str(bad), "--out", str(tmp_path / "b.png"))
+    assert r.returncode == 2 and "not an eval JSON" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = sparsekv("plot", str(files[0]), "--x", "depth", "--out", str(tmp_path / "c.png"))
+    assert r.returncode == 2 and "--x must be one of budget, selectivity" in r.stderr
