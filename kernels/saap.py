@@ -21,9 +21,11 @@ bucket_gather  one program per chunk of positions of one (batch row, selection h
                ordinal of each key (8 bytes a key, against the 2·D·2 bytes of its K/V in 16 bits), looks up its
                bucket's first slot and stores the position at base + ordinal (ordinals are negative in newest-first
                lists, whose bases are then the buckets' last slot + 1: sparsekv/saap/lists.py). Slots are unique
-               (a bucket's keys have distinct ordinals), so there are no atomics and no ordering between programs;
-               slots never written keep the -1 the output is filled with. A graph-replayed step's rows bound their
-               own region from their device lengths inside the kernel (RowBounds), as the code distances do.
+               (a bucket's keys have distinct ordinals), so the positions need no atomics and no ordering between
+               programs; slots never written keep the -1 the output is filled with. Each program adds how many it
+               stored to one counter (an integer atomic: the same total in any order), the step's statistics. A
+               graph-replayed step's rows bound their own region from their device lengths inside the kernel
+               (RowBounds), as the code distances do.
 
 References: kernels/reference.py::saap_append_reference, bucket_logits_reference, bucket_bases_reference,
 bucket_gather_reference (same arguments).
@@ -39,6 +41,17 @@ from .reference import RowBounds
 from .region import window_first
 
 CHUNK = 2048  # positions per gather program: 64 programs per head at 131072 keys
+
+
+LOWEST = tl.constexpr(-(2**63) + 1)  # below every _rank_key
+
+
+@triton.jit
+def _rank_key(score, idx, n):
+    """(score, index) as one int64 that orders as the score, ties to the lower index (indices below n): the fp32
+    bits made order-preserving as an int32 in the high half, n - 1 - index in the low half."""
+    bits = score.to(tl.int32, bitcast=True)
+    return ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (n - 1 - idx).to(tl.int64)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -60,14 +73,12 @@ def _append_kernel(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, C, Hkv, sink, window
     cent = tl.load(CENT + kv * s_ch + c[:, None] * s_cc + d[None, :], mask=ok[:, None] & (d < D)[None, :],
                    other=0.0).to(tl.float32)
     s = tl.where(ok, tl.sum(cent * x[None, :], axis=1), float("-inf"))
-    # this block's best as (score, bucket) in one int64 (order-preserving bits, the bucket reversed: the max of
-    # several is the best score's lowest bucket), combined across the row's blocks by an atomic max
-    bits = s.to(tl.int32, bitcast=True)
-    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (C - 1 - c).to(tl.int64)
-    tl.atomic_max(BEST + bh, tl.max(tl.where(ok, key, -9223372036854775807), 0), sem="relaxed")
+    # this block's best (score, bucket), combined across the row's blocks by an atomic max: the best score's
+    # lowest bucket
+    tl.atomic_max(BEST + bh, tl.max(tl.where(ok, _rank_key(s, c, C), LOWEST), 0), sem="relaxed")
     # the row's last block to finish (acq_rel: it sees every block's max) records the bucket and resets the scratch
     if tl.atomic_add(DONE + bh, 1) == blocks - 1:
-        best = tl.atomic_xchg(BEST + bh, -9223372036854775807)
+        best = tl.atomic_xchg(BEST + bh, LOWEST)
         tl.atomic_xchg(DONE + bh, 0)
         arg = (C - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
         row = b.to(tl.int64) * s_bb + kv * s_bh
@@ -91,7 +102,7 @@ def _append_scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torc
     Each call leaves them reset; calls that share them must be ordered (one stream or one graph)."""
     key = (device, rows)
     if key not in _SCRATCH:
-        _SCRATCH[key] = (torch.full((rows,), -(2**63) + 1, dtype=torch.int64, device=device),
+        _SCRATCH[key] = (torch.full((rows,), LOWEST.value, dtype=torch.int64, device=device),
                          torch.zeros(rows, dtype=torch.int32, device=device))
     return _SCRATCH[key]
 
@@ -234,11 +245,7 @@ def _bases_kernel(S, CNT, BASES, C, G, Hs, sel_per_kv, probes,
         e = tl.where(ok, tl.exp(s - tl.where(top == float("-inf"), 0.0, top)[:, None]), 0.0)  # padding rows: 0
         s = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
     score = tl.where(c < C, tl.sum(tl.where(ok, s, 0.0), 0), float("-inf"))
-    # (score, bucket) as one int64: the fp32 bits made order-preserving as int32, then the bucket reversed so that
-    # a descending sort puts ties in ascending bucket order
-    bits = score.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-    srt = tl.sort((key << 32) | (CP - 1 - c).to(tl.int64), descending=True)
+    srt = tl.sort(_rank_key(score, c, CP), descending=True)  # best first, ties in ascending bucket order
     bucket = (CP - 1 - (srt & 0xFFFFFFFF)).to(tl.int32)
     chosen = c < probes  # c: the rank
     cnt = tl.load(CNT + b * s_nb + (hs // sel_per_kv) * s_nh + bucket, mask=chosen, other=0)
