@@ -137,8 +137,9 @@ def saap_append(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Ten
 
 
 @triton.jit
-def _rows(X, s_xb, s_xh, kv, G, n_rows, RB: tl.constexpr):
-    """This program's query rows (batch row, query head of KV head kv's group): pointers' row offsets and mask."""
+def _rows(s_xb, s_xh, kv, G, n_rows, RB: tl.constexpr):
+    """This program's query rows (batch row, query head of KV head kv's group): their offsets in a [B, Hq, ...] tensor
+    of strides (s_xb, s_xh), and which rows exist."""
     r = tl.program_id(2) * RB + tl.arange(0, RB)
     return (r // G) * s_xb + (kv * G + r % G) * s_xh, r < n_rows
 
@@ -147,8 +148,8 @@ def _rows(X, s_xb, s_xh, kv, G, n_rows, RB: tl.constexpr):
 def _hidden_kernel(X, W1, B1, H, n_rows, G, M, s_xb, s_xh, s_hb, s_hh,
                    D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
     kv = tl.program_id(1)
-    x_off, r_ok = _rows(X, s_xb, s_xh, kv, G, n_rows, RB)
-    h_off, _ = _rows(H, s_hb, s_hh, kv, G, n_rows, RB)
+    x_off, r_ok = _rows(s_xb, s_xh, kv, G, n_rows, RB)
+    h_off, _ = _rows(s_hb, s_hh, kv, G, n_rows, RB)
     d = tl.arange(0, DP)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
@@ -164,8 +165,8 @@ def _logits_kernel(A, W, BIAS, OUT, n_rows, G, C, K, s_ab, s_ah, s_wh, s_wk, s_w
                    RB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    PREC: tl.constexpr):
     kv = tl.program_id(1)
-    a_off, r_ok = _rows(A, s_ab, s_ah, kv, G, n_rows, RB)
-    o_off, _ = _rows(OUT, s_ob, s_oh, kv, G, n_rows, RB)
+    a_off, r_ok = _rows(s_ab, s_ah, kv, G, n_rows, RB)
+    o_off, _ = _rows(s_ob, s_oh, kv, G, n_rows, RB)
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
     acc = tl.zeros([RB, BLOCK_C], tl.float32)

@@ -211,12 +211,6 @@ class BudgetSplit:
         """... and one past its last."""
         return (self.extent if self.extent is not None else self.length) - self.window
 
-    def row_lengths(self, device: torch.device) -> torch.Tensor:
-        """[B, 1, 1] int64 on the device: each row's keys (the device lengths, else the host length)."""
-        if self.lengths is not None:
-            return self.lengths.view(-1, 1, 1).long()
-        return torch.full((1, 1, 1), self.length, device=device)
-
     def bounds(self) -> RowBounds | None:
         """Each row's own region of [lo, hi) as the kernels take it (from the device lengths; no mask is built),
         or None when the region is exact."""
