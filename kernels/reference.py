@@ -672,11 +672,32 @@ def saap_append_reference(buckets: torch.Tensor, ordinals: torch.Tensor, counts:
     counts.scatter_add_(-1, b[:, :, None], ok.to(counts.dtype).expand_as(b)[:, :, None].contiguous())
 
 
-def bucket_logits_reference(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class PendingAppend:
+    """A decode step's `saap_append` (its arguments less the centroids) handed to `bucket_logits`, which carries it
+    out first (the kernel: in the same launch)."""
+
+    buckets: torch.Tensor
+    ordinals: torch.Tensor
+    counts: torch.Tensor
+    k: torch.Tensor
+    pos: torch.Tensor
+    sink: int
+    window: int
+    newest_first: bool = False
+
+
+def bucket_logits_reference(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
+                            append: PendingAppend | None = None) -> torch.Tensor:
     """fp32 [B, Hq, C]: each query x [B, Hq, 1, D] scored against its KV head's C buckets: the folded Q-model's
     logits relu(x w1 + b1) w2 + b2 (model = (w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, C], b2 [Hkv, C])), else the
     inner products with the centroids [Hkv, C, D]. Products take their inputs in the weights' dtype (x and the
-    hidden layer rounded to it, as tensor cores read them) and sum in fp32."""
+    hidden layer rounded to it, as tensor cores read them) and sum in fp32. `append`: a decode step's
+    `saap_append_reference` with these centroids, done first."""
+    if append is not None:
+        a = append
+        saap_append_reference(a.buckets, a.ordinals, a.counts, centroids, a.k, a.pos, a.sink, a.window,
+                              a.newest_first)
     B, Hq, _, D = x.shape
     Hkv, C, _ = centroids.shape
     dt = centroids.dtype if model is None else model[0].dtype
@@ -701,30 +722,54 @@ def slot_bases(counts: torch.Tensor, chosen: torch.Tensor, newest_first: bool = 
     return base.scatter_(-1, chosen, (ends if newest_first else ends - cnt).to(base.dtype))
 
 
+def bucket_rank_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int32 keys of fp32 scores [..., C] that order as the scores, ties to the lower bucket, in 32 bits: the scores'
+    bits made order-preserving, their lowest log2(C) bits (rounded up to a power of two) replaced by the bucket's
+    rank from the top. Scores equal in their sign, exponent and highest 23 - log2(C) mantissa bits count as a tie
+    (relative 2^-13 at C = 1024): the bucket ranking sorts 32-bit keys, not 64."""
+    C = scores.shape[-1]
+    b = max(1, (C - 1).bit_length())
+    bits = scores.float().contiguous().view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    low = (1 << b) - 1 - torch.arange(C, dtype=torch.int32, device=scores.device)
+    return ((key >> b) << b) | low
+
+
 def bucket_bases_reference(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1,
                            softmax: bool = False, newest_first: bool = False) -> torch.Tensor:
     """int32 [B, Hs, C + 1], Hs = Hq / group: the `probes` best buckets of each selection head, their lists laid end
     to end best first (`slot_bases`). scores [B, Hq, C] (fp32 logits; `softmax`: each query head's distribution
     first), summed over each selection head's `group` query heads (SAAP's §5 "Batched queries"); the best are the
-    highest sums, ties to the lower bucket. counts [B, Hkv, C + 1]: selection head h reads KV head h // (Hs / Hkv)."""
+    highest sums as `bucket_rank_keys` orders them. counts [B, Hkv, C + 1]: selection head h reads KV head
+    h // (Hs / Hkv)."""
     B, Hq, C = scores.shape
     s = torch.softmax(scores.float(), dim=-1) if softmax else scores.float()
     s = s.view(B, Hq // group, group, C).sum(2)
-    chosen = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :probes]
+    chosen = bucket_rank_keys(s).topk(probes, dim=-1).indices  # keys are distinct: one order
     per = s.shape[1] // counts.shape[1]
     return slot_bases(counts.repeat_interleave(per, dim=1) if per > 1 else counts, chosen, newest_first)
 
 
 def bucket_gather_reference(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int,
                             hi: int, bounds: RowBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 [B, Hs, cap], the mean number of its slots that hold a key per (row, head), 0-dim fp32): the key at
+    """(int64 [B, Hs, cap], how many of its slots hold a key, summed over rows and heads, 0-dim int32): the key at
     position p in [lo, hi) (and in its row's region when `bounds` gives the rows' device lengths: RowBounds, its
     `lo` unused) whose bucket b = buckets[.., p] has bases[.., b] >= 0 goes to slot bases[.., b] + ordinals[.., p]
     when that is below `cap`; the other slots hold -1. buckets/ordinals [B, Hkv, Lmax] (int; sentinel buckets index
     the last column of bases), bases [B, Hs, C + 1] (Hs = Hkv, or Hq: query head h reads KV head h // (Hs // Hkv)).
     Slots are unique by construction (a bucket's keys have distinct ordinals), so the result is deterministic."""
     out = _bucket_gather(buckets, ordinals, bases, cap, lo, hi, bounds)
-    return out, out.ge(0).sum(-1).float().mean()
+    return out, out.ge(0).sum().to(torch.int32)
+
+
+def bucket_select_reference(scores: torch.Tensor, counts: torch.Tensor, buckets: torch.Tensor,
+                            ordinals: torch.Tensor, probes: int, group: int, softmax: bool, newest_first: bool,
+                            cap: int, lo: int, hi: int, bounds: RowBounds | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAAP's selection from the bucket logits: `bucket_bases_reference` then `bucket_gather_reference` (same
+    arguments, same result)."""
+    bases = bucket_bases_reference(scores, counts, probes, group, softmax, newest_first)
+    return bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, bounds)
 
 
 def _bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int, hi: int,

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import RowBounds
+from .reference import PendingAppend, RowBounds
 from .region import window_first
 
 CHUNK = 2048  # positions per gather program: 64 programs per head at 131072 keys
@@ -59,16 +59,15 @@ def _rank_key(score, idx, n):
 
 
 @triton.jit
-def _append_kernel(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, C, Hkv, sink, window,
-                   s_kb, s_kh, s_ch, s_cc, s_bb, s_bh, s_nb, s_nh,
-                   D: tl.constexpr, DP: tl.constexpr, BLOCK_C: tl.constexpr, NEWEST: tl.constexpr):
-    bh = tl.program_id(0)
-    blocks = tl.num_programs(1)
+def _append_block(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, bh, blk, blocks, C, Hkv, sink, window,
+                  s_kb, s_kh, s_ch, s_cc, s_bb, s_bh, s_nb, s_nh,
+                  D: tl.constexpr, DP: tl.constexpr, BLOCK_C: tl.constexpr, NEWEST: tl.constexpr):
+    """Block `blk` of `blocks` of row bh's (batch row, KV head) append."""
     b = bh // Hkv
     kv = bh % Hkv
     d = tl.arange(0, DP)
     x = tl.load(K + b * s_kb + kv * s_kh + d, mask=d < D, other=0.0).to(tl.float32)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
     cent = tl.load(CENT + kv * s_ch + c[:, None] * s_cc + d[None, :], mask=ok[:, None] & (d < D)[None, :],
                    other=0.0).to(tl.float32)
@@ -94,6 +93,15 @@ def _append_kernel(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, C, Hkv, sink, window
             tl.store(cnt, index + 1)
 
 
+@triton.jit
+def _append_kernel(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, C, Hkv, sink, window,
+                   s_kb, s_kh, s_ch, s_cc, s_bb, s_bh, s_nb, s_nh,
+                   D: tl.constexpr, DP: tl.constexpr, BLOCK_C: tl.constexpr, NEWEST: tl.constexpr):
+    _append_block(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+                  C, Hkv, sink, window, s_kb, s_kh, s_ch, s_cc, s_bb, s_bh, s_nb, s_nh,
+                  D=D, DP=DP, BLOCK_C=BLOCK_C, NEWEST=NEWEST)
+
+
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -107,29 +115,34 @@ def _append_scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torc
     return _SCRATCH[key]
 
 
+def _append_launch(a: PendingAppend, centroids: torch.Tensor, block_c: int | None = None) -> tuple[list, dict, int, int]:
+    """The append's kernel arguments (positional, constexpr), its rows (batch row x KV head) and blocks per row."""
+    B, Hkv, n, D = a.k.shape
+    C = centroids.shape[1]
+    if n != 1 or centroids.shape != (Hkv, C, D) or a.pos.shape != (B,):
+        raise ValueError(f"saap_append takes one key per row [B, Hkv, 1, D], centroids [Hkv, C, D] and pos [B]; got "
+                         f"{tuple(a.k.shape)}, {tuple(centroids.shape)}, {tuple(a.pos.shape)}")
+    if a.buckets.stride(-1) != 1 or a.ordinals.stride() != a.buckets.stride() or a.counts.stride(-1) != 1:
+        raise ValueError("buckets and ordinals must share a layout with contiguous positions")
+    cent = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
+    k = a.k if a.k.stride(-1) == 1 else a.k.contiguous()
+    DP = max(16, triton.next_power_of_2(D))
+    block_c = block_c or max(16, min(triton.next_power_of_2(C), 8192 // DP))
+    best, done = _append_scratch(k.device, B * Hkv)
+    args = [k, cent, a.buckets, a.ordinals, a.counts, a.pos, best, done, C, Hkv, a.sink, a.window,
+            k.stride(0), k.stride(1), cent.stride(0), cent.stride(1), a.buckets.stride(0), a.buckets.stride(1),
+            a.counts.stride(0), a.counts.stride(1)]
+    return args, dict(D=D, DP=DP, BLOCK_C=block_c, NEWEST=a.newest_first), B * Hkv, triton.cdiv(C, block_c)
+
+
 def saap_append(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Tensor, centroids: torch.Tensor,
                 k: torch.Tensor, pos: torch.Tensor, sink: int, window: int, newest_first: bool = False,
                 block_c: int | None = None) -> None:
     """Contract of `reference.saap_append_reference` (in place): keys k [B, Hkv, 1, D] at device positions pos [B].
     `block_c`: centroids per program (default: 8192 codes' worth)."""
-    B, Hkv, n, D = k.shape
-    C = centroids.shape[1]
-    if n != 1 or centroids.shape != (Hkv, C, D) or pos.shape != (B,):
-        raise ValueError(f"saap_append takes one key per row [B, Hkv, 1, D], centroids [Hkv, C, D] and pos [B]; got "
-                         f"{tuple(k.shape)}, {tuple(centroids.shape)}, {tuple(pos.shape)}")
-    if buckets.stride(-1) != 1 or ordinals.stride() != buckets.stride() or counts.stride(-1) != 1:
-        raise ValueError("buckets and ordinals must share a layout with contiguous positions")
-    cent = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    DP = max(16, triton.next_power_of_2(D))
-    block_c = block_c or max(16, min(triton.next_power_of_2(C), 8192 // DP))
-    best, done = _append_scratch(k.device, B * Hkv)
-    _append_kernel[(B * Hkv, triton.cdiv(C, block_c))](
-        k, cent, buckets, ordinals, counts, pos, best, done, C, Hkv, sink, window,
-        k.stride(0), k.stride(1), cent.stride(0), cent.stride(1), buckets.stride(0), buckets.stride(1),
-        counts.stride(0), counts.stride(1),
-        D=D, DP=DP, BLOCK_C=block_c, NEWEST=newest_first, num_warps=4)
+    args, const, rows, blocks = _append_launch(
+        PendingAppend(buckets, ordinals, counts, k, pos, sink, window, newest_first), centroids, block_c)
+    _append_kernel[(rows, blocks)](*args, **const, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -162,30 +175,44 @@ def _hidden_kernel(X, W1, B1, H, n_rows, G, M, s_xb, s_xh, s_hb, s_hh,
 
 @triton.jit
 def _logits_kernel(A, W, BIAS, OUT, n_rows, G, C, K, s_ab, s_ah, s_wh, s_wk, s_wc, s_ob, s_oh,
+                   AK, ACENT, ABKT, AORD, ACNT, APOS, ABEST, ADONE, AC, AHkv, a_sink, a_window,
+                   as_kb, as_kh, as_ch, as_cc, as_bb, as_bh, as_nb, as_nh, a_rows, a_blocks,
                    RB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   PREC: tl.constexpr):
-    kv = tl.program_id(1)
-    a_off, r_ok = _rows(s_ab, s_ah, kv, G, n_rows, RB)
-    o_off, _ = _rows(s_ob, s_oh, kv, G, n_rows, RB)
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
-    acc = tl.zeros([RB, BLOCK_C], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        w = tl.load(W + kv * s_wh + kk[:, None] * s_wk + c[None, :] * s_wc, mask=k_ok[:, None] & c_ok[None, :],
-                    other=0.0)
-        a = tl.load(A + a_off[:, None] + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(a.to(w.dtype), w, input_precision=PREC)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + kv * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + o_off[:, None] + c[None, :], acc, mask=r_ok[:, None] & c_ok[None, :])
+                   PREC: tl.constexpr, APPEND: tl.constexpr, AD: tl.constexpr, ADP: tl.constexpr,
+                   ABLOCK_C: tl.constexpr, ANEWEST: tl.constexpr):
+    c_blocks = tl.cdiv(C, BLOCK_C)
+    if APPEND and tl.program_id(0) >= c_blocks:  # the programs past the logits' own carry out the append
+        lin = ((tl.program_id(0) - c_blocks) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) \
+            + tl.program_id(2)
+        if lin < a_rows * a_blocks:
+            _append_block(AK, ACENT, ABKT, AORD, ACNT, APOS, ABEST, ADONE, lin // a_blocks, lin % a_blocks, a_blocks,
+                          AC, AHkv, a_sink, a_window, as_kb, as_kh, as_ch, as_cc, as_bb, as_bh, as_nb, as_nh,
+                          D=AD, DP=ADP, BLOCK_C=ABLOCK_C, NEWEST=ANEWEST)
+    else:
+        kv = tl.program_id(1)
+        a_off, r_ok = _rows(s_ab, s_ah, kv, G, n_rows, RB)
+        o_off, _ = _rows(s_ob, s_oh, kv, G, n_rows, RB)
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        acc = tl.zeros([RB, BLOCK_C], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            w = tl.load(W + kv * s_wh + kk[:, None] * s_wk + c[None, :] * s_wc, mask=k_ok[:, None] & c_ok[None, :],
+                        other=0.0)
+            a = tl.load(A + a_off[:, None] + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(a.to(w.dtype), w, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + kv * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + o_off[:, None] + c[None, :], acc, mask=r_ok[:, None] & c_ok[None, :])
 
 
 def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
-                  block_c: int = 32, block_m: int = 64, num_warps: int = 4) -> torch.Tensor:
+                  append: PendingAppend | None = None, block_c: int = 32, block_m: int = 64,
+                  num_warps: int = 4) -> torch.Tensor:
     """Contract of `reference.bucket_logits_reference`: fp32 [B, Hq, C] of queries x [B, Hq, 1, D]. Two launches
-    with a Q-model (its hidden layer [B, Hq, M] in the weights' dtype, then the logits), one without."""
+    with a Q-model (its hidden layer [B, Hq, M] in the weights' dtype, then the logits), one without; `append`
+    runs as extra programs of the logits' launch (its ~2 dependent atomics a row overlap the logits' reads)."""
     B, Hq, n, D = x.shape
     Hkv, C, _ = centroids.shape
     if n != 1 or centroids.shape[2] != D or Hq % Hkv:
@@ -214,10 +241,19 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
             x, w1, b1, h, n_rows, G, M, x.stride(0), x.stride(1), h.stride(0), h.stride(1),
             D=D, DP=DP, RB=RB, BLOCK_M=block_m, PREC=prec, num_warps=num_warps)
         a, w, bias, K, w_strides = h, w2, b2, M, (M * C, C, 1)
-    _logits_kernel[(triton.cdiv(C, block_c), Hkv, rows)](
+    extra = 0
+    if append is not None:
+        app_args, app_const, app_rows, app_blocks = _append_launch(append, centroids)
+        app_args += [app_rows, app_blocks]
+        extra = triton.cdiv(app_rows * app_blocks, Hkv * rows)  # grid columns past the logits' own
+        app_const = {"A" + name: v for name, v in app_const.items()}
+    else:  # unread placeholders
+        app_args = [out] * 8 + [0] * 14
+        app_const = dict(AD=16, ADP=16, ABLOCK_C=16, ANEWEST=False)
+    _logits_kernel[(triton.cdiv(C, block_c) + extra, Hkv, rows)](
         a, w, bias, out, n_rows, G, C, K, a.stride(0), a.stride(1), *w_strides, out.stride(0), out.stride(1),
-        RB=RB, BLOCK_C=block_c, BLOCK_K=min(block_m, max(16, triton.next_power_of_2(K))),
-        HAS_BIAS=model is not None, PREC=prec, num_warps=num_warps)
+        *app_args, RB=RB, BLOCK_C=block_c, BLOCK_K=min(block_m, max(16, triton.next_power_of_2(K))),
+        HAS_BIAS=model is not None, PREC=prec, APPEND=append is not None, **app_const, num_warps=num_warps)
     return out
 
 
@@ -231,12 +267,29 @@ def _prec(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _bases_kernel(S, CNT, BASES, C, G, Hs, sel_per_kv, probes,
-                  s_sb, s_sh, s_nb, s_nh, s_bb, s_bh,
-                  GP: tl.constexpr, CP: tl.constexpr, SOFTMAX: tl.constexpr, NEWEST: tl.constexpr):
+def _rank_key32(score, idx, LOG_C: tl.constexpr):
+    """`reference.bucket_rank_keys` (idx below 2**LOG_C): the fp32 bits made order-preserving as an int32, the lowest
+    LOG_C bits replaced by the bucket's rank from the top."""
+    bits = score.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return ((key >> LOG_C) << LOG_C) | ((1 << LOG_C) - 1 - idx)
+
+
+@triton.jit
+def _bases_kernel(S, CNT, BASES, OUT, COUNT, C, G, Hs, sel_per_kv, probes, cap,
+                  s_sb, s_sh, s_nb, s_nh, s_bb, s_bh, s_ob, s_oh,
+                  GP: tl.constexpr, CP: tl.constexpr, LOG_C: tl.constexpr, KP: tl.constexpr, SOFTMAX: tl.constexpr,
+                  NEWEST: tl.constexpr, FILL: tl.constexpr, FILL_BLOCK: tl.constexpr):
     bh = tl.program_id(0)
     b = bh // Hs
     hs = bh % Hs
+    if FILL:  # the gather's output row: -1 where no key will land; its counter zeroed
+        o = OUT + b.to(tl.int64) * s_ob + hs * s_oh
+        for f0 in range(0, cap, FILL_BLOCK):
+            f = f0 + tl.arange(0, FILL_BLOCK)
+            tl.store(o + f, tl.full([FILL_BLOCK], -1, tl.int64), mask=f < cap)
+        if bh == 0:
+            tl.store(COUNT, 0)
     g = tl.arange(0, GP)
     c = tl.arange(0, CP)
     ok = (g < G)[:, None] & (c < C)[None, :]
@@ -246,19 +299,25 @@ def _bases_kernel(S, CNT, BASES, C, G, Hs, sel_per_kv, probes,
         e = tl.where(ok, tl.exp(s - tl.where(top == float("-inf"), 0.0, top)[:, None]), 0.0)  # padding rows: 0
         s = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
     score = tl.where(c < C, tl.sum(tl.where(ok, s, 0.0), 0), float("-inf"))
-    srt = tl.sort(_rank_key(score, c, CP), descending=True)  # best first, ties in ascending bucket order
-    bucket = (CP - 1 - (srt & 0xFFFFFFFF)).to(tl.int32)
-    chosen = c < probes  # c: the rank
+    best = tl.topk(_rank_key32(score, c, LOG_C), KP)  # the KP best keys, best first (keys are distinct)
+    bucket = (1 << LOG_C) - 1 - (best & ((1 << LOG_C) - 1))
+    r = tl.arange(0, KP)  # the rank
+    chosen = r < probes
     cnt = tl.load(CNT + b * s_nb + (hs // sel_per_kv) * s_nh + bucket, mask=chosen, other=0)
     ends = tl.cumsum(cnt, 0)
     out = BASES + b * s_bb + hs * s_bh
-    tl.store(out + bucket, tl.where(chosen, ends if NEWEST else ends - cnt, -1), mask=bucket < C)
-    tl.store(out + C, -1)  # the "no key" sentinel
+    tl.store(out + c, tl.full([CP], -1, tl.int32), mask=c < C)  # every bucket unvisited ...
+    tl.store(out + C, -1)  # ... and the "no key" sentinel
+    tl.debug_barrier()  # ... before the chosen ones' first slots overwrite theirs
+    tl.store(out + bucket, (ends if NEWEST else ends - cnt).to(tl.int32), mask=chosen)
 
 
 def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1, softmax: bool = False,
-                 newest_first: bool = False, num_warps: int = 8) -> torch.Tensor:
-    """Contract of `reference.bucket_bases_reference`: int32 [B, Hq / group, C + 1]."""
+                 newest_first: bool = False, out: torch.Tensor | None = None, count: torch.Tensor | None = None,
+                 num_warps: int = 8) -> torch.Tensor:
+    """Contract of `reference.bucket_bases_reference`: int32 [B, Hq / group, C + 1]. Given the gather's output
+    `out` [B, Hq / group, cap] (int64) and its counter `count` (int32 [1]), the same launch fills the one with -1
+    and zeroes the other (`bucket_select`)."""
     B, Hq, C = scores.shape
     Hkv = counts.shape[1]
     Hs = Hq // group
@@ -271,11 +330,19 @@ def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group:
     if counts.stride(-1) != 1:
         counts = counts.contiguous()
     bases = torch.empty(B, Hs, C + 1, dtype=torch.int32, device=scores.device)
+    fill = out is not None
+    if fill and (out.shape[:2] != (B, Hs) or out.stride(-1) != 1 or count is None):
+        raise ValueError("bucket_bases: out must be [B, Hs, cap] with contiguous slots, given with its counter")
+    log_c = max(1, (C - 1).bit_length())
+    CP = 1 << log_c
+    o, cnt_out = (out, count) if fill else (bases, bases)  # unread placeholders without a fill
     _bases_kernel[(B * Hs,)](
-        s, counts, bases, C, group, Hs, Hs // Hkv, probes,
+        s, counts, bases, o, cnt_out, C, group, Hs, Hs // Hkv, probes, o.shape[-1] if fill else 0,
         s.stride(0), s.stride(1), counts.stride(0), counts.stride(1), bases.stride(0), bases.stride(1),
-        GP=triton.next_power_of_2(group), CP=triton.next_power_of_2(C), SOFTMAX=softmax, NEWEST=newest_first,
-        num_warps=num_warps)
+        o.stride(0), o.stride(1),
+        GP=triton.next_power_of_2(group), CP=CP, LOG_C=log_c,
+        KP=min(CP, max(2, triton.next_power_of_2(probes))), SOFTMAX=softmax, NEWEST=newest_first, FILL=fill,
+        FILL_BLOCK=1024, num_warps=num_warps)
     return bases
 
 
@@ -317,14 +384,17 @@ def _bucket_gather_kernel(BKT, ORD, BASE, OUT, COUNT, LENS,
 
 
 def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int, hi: int,
-                  bounds: RowBounds | None = None, block: int = 1024, chunk: int = CHUNK,
+                  bounds: RowBounds | None = None, out: torch.Tensor | None = None,
+                  count: torch.Tensor | None = None, block: int = 1024, chunk: int = CHUNK,
                   num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contract of `reference.bucket_gather_reference`: (int64 [B, Hs, cap], -1 where no key lands; the mean number
-    of keys that landed per (row, head), 0-dim fp32), the count summed by the programs as they store."""
+    """Contract of `reference.bucket_gather_reference`: (int64 [B, Hs, cap], -1 where no key lands; how many keys
+    landed, summed over rows and heads, 0-dim int32), the count summed by the programs as they store. `out` and
+    `count` given: already -1 and 0 (`bucket_bases` fills them in its launch)."""
     B, Hkv, _ = buckets.shape
     Hs = bases.shape[1]
-    out = torch.full((B, Hs, cap), -1, dtype=torch.int64, device=buckets.device)
-    count = torch.zeros(1, dtype=torch.int32, device=buckets.device)
+    if out is None:
+        out = torch.full((B, Hs, cap), -1, dtype=torch.int64, device=buckets.device)
+        count = torch.zeros(1, dtype=torch.int32, device=buckets.device)
     if hi > lo and cap > 0:
         if buckets.stride(-1) != 1 or ordinals.stride() != buckets.stride():
             raise ValueError("buckets and ordinals must share a layout with contiguous positions")
@@ -338,4 +408,16 @@ def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Te
             buckets.stride(0), buckets.stride(1), bases.stride(0), bases.stride(1), out.stride(0), out.stride(1),
             Hs, Hs // Hkv, lo, hi, cap, chunk, *b_args, ROWS=bounds is not None, BLOCK=min(block, chunk),
             num_warps=num_warps)
-    return out, torch.div(count, max(B * Hs, 1)).view(())
+    return out, count.view(())
+
+
+def bucket_select(scores: torch.Tensor, counts: torch.Tensor, buckets: torch.Tensor, ordinals: torch.Tensor,
+                  probes: int, group: int, softmax: bool, newest_first: bool, cap: int, lo: int, hi: int,
+                  bounds: RowBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contract of `reference.bucket_select_reference`: `bucket_bases` (which also fills the output and zeroes
+    the counter) then `bucket_gather`, two launches."""
+    B, Hq, _ = scores.shape
+    out = torch.empty(B, Hq // group, cap, dtype=torch.int64, device=scores.device)
+    count = torch.empty(1, dtype=torch.int32, device=scores.device)
+    bases = bucket_bases(scores, counts, probes, group, softmax, newest_first, out=out, count=count)
+    return bucket_gather(buckets, ordinals, bases, cap, lo, hi, bounds, out=out, count=count)

@@ -66,12 +66,15 @@ class DecodeStats:
         if sel.dense:
             entry = StepEntry(sel.span, True, 0, 0, 0)
         else:
-            count = sel.selected_count()
-            if isinstance(count, torch.Tensor):
+            on_device = sel.device_count()
+            count = 0
+            if on_device is None:
+                count = sel.selected_count()
+            else:
+                total, scale = on_device
                 if self.on_device is None:
-                    self.on_device = torch.zeros((), dtype=torch.float32, device=count.device)
-                self.on_device.add_(count.float())
-                count = 0
+                    self.on_device = torch.zeros((), dtype=torch.float32, device=total.device)
+                self.on_device.add_(total, alpha=scale)
             entry = StepEntry(sel.span, False, count, sel.sink, sel.window)
         if self.captured is not None:
             self.captured.append(entry)

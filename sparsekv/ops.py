@@ -279,34 +279,29 @@ def saap_append(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Ten
     return ref.saap_append_reference(buckets, ordinals, counts, centroids, k, pos, sink, window, newest_first)
 
 
-def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None) -> torch.Tensor:
+def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
+                  append: ref.PendingAppend | None = None) -> torch.Tensor:
     """fp32 [B, Hq, C]: queries x [B, Hq, 1, D] scored against their KV head's buckets by the folded Q-model
-    (w1, b1, w2, b2), else by the centroids' inner products."""
+    (w1, b1, w2, b2), else by the centroids' inner products. `append`: a decode step's `saap_append` with these
+    centroids, carried out first (by the kernel, in the same launch)."""
     if use_kernels(x.device):
         from sparsekv.kernels.saap import bucket_logits as kernel
 
-        return kernel(x, centroids, model)
-    return ref.bucket_logits_reference(x, centroids, model)
+        return kernel(x, centroids, model, append)
+    return ref.bucket_logits_reference(x, centroids, model, append)
 
 
-def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1, softmax: bool = False,
-                 newest_first: bool = False) -> torch.Tensor:
-    """int32 [B, Hq / group, C + 1]: the first slot of each of the `probes` best buckets (group-summed scores,
-    softmaxed first with `softmax`) when their lists are laid end to end best first, -1 for the others."""
-    if use_kernels(scores.device):
-        from sparsekv.kernels.saap import bucket_bases as kernel
-
-        return kernel(scores, counts, probes, group, softmax, newest_first)
-    return ref.bucket_bases_reference(scores, counts, probes, group, softmax, newest_first)
-
-
-def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Tensor, cap: int, lo: int, hi: int,
+def bucket_select(scores: torch.Tensor, counts: torch.Tensor, buckets: torch.Tensor, ordinals: torch.Tensor,
+                  probes: int, group: int, softmax: bool, newest_first: bool, cap: int, lo: int, hi: int,
                   bounds: ref.RowBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [B, Hs, cap] (-1 pads) of the keys in [lo, hi) (and each row's region from `bounds`) whose buckets
-    are visited: the key at p goes to slot bases[bucket[p]] + ordinals[p] (the visited lists end to end); and how
-    many there are per (row, head) on average (0-dim fp32, on the device)."""
-    if use_kernels(buckets.device):
-        from sparsekv.kernels.saap import bucket_gather as kernel
+    """SAAP's selection from the bucket logits: the `probes` best buckets of each selection head (scores summed over
+    its `group` query heads, each softmaxed first with `softmax`), their lists laid end to end best first, and the
+    positions [B, Hs, cap] (-1 pads) of the keys in [lo, hi) (and each row's region from `bounds`) that land in
+    them: the key at p goes to slot base[bucket[p]] + ordinals[p]. Also how many landed, summed over rows and heads
+    (0-dim int32, on the device)."""
+    if use_kernels(scores.device):
+        from sparsekv.kernels.saap import bucket_select as kernel
 
-        return kernel(buckets, ordinals, bases, cap, lo, hi, bounds)
-    return ref.bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, bounds)
+        return kernel(scores, counts, buckets, ordinals, probes, group, softmax, newest_first, cap, lo, hi, bounds)
+    return ref.bucket_select_reference(scores, counts, buckets, ordinals, probes, group, softmax, newest_first, cap,
+                                       lo, hi, bounds)

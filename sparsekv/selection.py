@@ -46,7 +46,7 @@ class Selection:
     bucket_offsets: torch.Tensor | None = None  # [B, H, n_buckets + 1] CSR offsets into bucket_tokens
     bucket_tokens: torch.Tensor | None = None  # [B, H, T] token positions grouped by bucket
     padded: bool = True  # False when `indices` holds no -1 (a top-k result): its count is known on the host
-    count: torch.Tensor | None = None  # 0-dim fp32 on the device: the mean of n_selected, where the maker counted it
+    count: torch.Tensor | None = None  # 0-dim on the device: `indices`' keys summed over rows and heads, if counted
     span: int = 0  # the layer's sliding window (keys the newest one may see), 0 = all: start = length - span
     lengths: torch.Tensor | None = None  # [B] valid keys per row on the device: what the kernels read when given
     extent: int | None = None  # a graph-replayed step: kernel grids span this many cache slots, not `length`
@@ -69,20 +69,26 @@ class Selection:
         return round(float(self.selected_count()))
 
     def selected_count(self) -> int | torch.Tensor:
-        """n_selected without a host sync where the count lives on the device (a 0-dim tensor then): the decode
-        loop adds it to its statistics every layer and step, and a sync there would stall the launch queue."""
-        if self.dense:
-            return self.visible - self.sink - self.window
-        if not self.has_sparse:
-            return 0
-        if self.indices is not None and not self.padded:
-            return self.indices.shape[-1]
+        """n_selected without a host sync where the count lives on the device (a 0-dim tensor then)."""
+        on_device = self.device_count()
+        if on_device is None:
+            return self.visible - self.sink - self.window if self.dense else \
+                self.indices.shape[-1] if self.has_sparse else 0
+        total, scale = on_device
+        return total.float() * scale if scale != 1 else total
+
+    def device_count(self) -> tuple[torch.Tensor, float] | None:
+        """(0-dim tensor, scale) whose product is n_selected where the count lives on the device, else None (known
+        on the host): the decode loop adds it to its statistics every layer and step (`add_(total, alpha=scale)`,
+        one launch), and a sync there would stall the launch queue."""
+        if self.dense or not self.has_sparse or (self.indices is not None and not self.padded):
+            return None
         if self.count is not None:
-            return self.count
+            return self.count, 1.0 / (self.indices.shape[0] * self.indices.shape[1])  # it comes with indices
         if self.blocks is not None and self.indices is None:
             self.sparse_positions()  # counted where the positions are made
-            return self._count
-        return self.sparse_positions().ge(0).sum(-1).float().mean()
+            return self._count, 1.0
+        return self.sparse_positions().ge(0).sum(-1).float().mean(), 1.0
 
     @property
     def has_sparse(self) -> bool:

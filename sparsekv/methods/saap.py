@@ -6,13 +6,13 @@ The index comes from `sparsekv index` (sparsekv/saap/fit.py): per (layer, KV hea
 pre-RoPE keys (spherical k-means, faiss) and the query model (Q-model, an MLP D -> 1024 -> C). At decode time:
 - `append` assigns each key to its nearest centroid by inner product (§4 "Asymmetric assignment": keys keep the
   k-means assignment); a key joins its bucket's inverted list on the device when it leaves the dense window
-  (sparsekv/saap/lists.py: the lists grow in place, one key per decode step, no rebuild; `ops.saap_append`, one
-  launch, in a decode step);
+  (sparsekv/saap/lists.py: the lists grow in place, one key per decode step, no rebuild; in a decode step the
+  step's `select` carries the append out, by extra programs of its Q-model launch: `ops.bucket_logits(append=)`);
 - `select` runs the Q-model on each query head's pre-RoPE query (`ops.bucket_logits`), sums the group's bucket
   distributions (§5 "Batched queries"; pooling "head" instead picks per query head, the paper's "Independent" of
-  Appendix E.3) and takes the top-ℓ buckets (`ops.bucket_bases`), and lays their lists end to end, best bucket
-  first (`ops.bucket_gather`, the CSR order of the paper's Appendix F; within a list newest key first, see "Budget
-  and cap"); the shared sparse-decode kernel attends them with the dense part. The split decode step hands the
+  Appendix E.3), takes the top-ℓ buckets and lays their lists end to end, best bucket first (`ops.bucket_select`,
+  the CSR order of the paper's Appendix F; within a list newest key first, see "Budget and cap"); the shared
+  sparse-decode kernel attends them with the dense part. The split decode step hands the
   method q and k before RoPE as it computes them, so nothing is rotated back.
 
 Budget and cap. The number of keys in the visited buckets varies from step to step; a captured decode step needs a
@@ -49,6 +49,7 @@ import torch
 from .. import ops
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
+from sparsekv.kernels.reference import PendingAppend
 from ..pooling import Pooling
 from ..saap.lists import admit, new_lists, record
 from ..saap.model import assign
@@ -68,6 +69,7 @@ class SaapState(LayerState):
     ordinals: torch.Tensor | None = None  # int32 [B, Hkv, max_len]
     counts: torch.Tensor | None = None  # int32 [B, Hkv, C + 1]
     layer: int = -1
+    pending: PendingAppend | None = None  # a decode step's append, carried out by the step's select
 
 
 @register
@@ -177,20 +179,32 @@ class Saap(Method):
             first = max(self.sink, pos - self.window)
             admit(state.buckets, state.ordinals, state.counts, first, pos + k.shape[2] - self.window - first,
                   self._newest)
-        else:  # a decode step at device positions: one launch
-            ops.saap_append(state.buckets, state.ordinals, state.counts, state.centroids, x, pos, self.sink,
-                            self.window, self._newest)
+        else:  # a decode step at device positions: its select carries it out (see `select`)
+            self.flush(state)
+            state.pending = PendingAppend(state.buckets, state.ordinals, state.counts, x, pos, self.sink,
+                                          self.window, self._newest)
+
+    def flush(self, state: SaapState) -> None:
+        """Carry out a pending decode-step append on its own (one launch)."""
+        a, state.pending = state.pending, None
+        if a is not None:
+            ops.saap_append(a.buckets, a.ordinals, a.counts, state.centroids, a.k, a.pos, a.sink, a.window,
+                            a.newest_first)
 
     def select(self, state: SaapState, q: torch.Tensor, q_pre_rope) -> Selection:
+        """The step's appended key (pending since `append`) is indexed by the logits' launch: it runs beside the
+        Q-model instead of before it, one launch fewer a layer. Every decode step selects after it appends, and the
+        lists are read only here, after it."""
         split = self.split(state)
         if split.dense or split.k <= 0 or split.hi <= split.lo:
+            self.flush(state)
             return split.selection()
         x = self._indexed(state, q_pre_rope if self.space == "pre" else q, "queries")
         group = x.shape[1] // state.centroids.shape[0] if self.pooling is Pooling.GROUP else 1
-        scores = ops.bucket_logits(x, state.centroids, state.model)  # [B, Hq, C]
-        bases = ops.bucket_bases(scores, state.counts, self.probes, group, softmax=state.model is not None,
-                                 newest_first=self._newest)
-        pos, count = ops.bucket_gather(state.buckets, state.ordinals, bases, split.k, split.lo, split.hi,
+        scores = ops.bucket_logits(x, state.centroids, state.model, append=state.pending)  # [B, Hq, C]
+        state.pending = None
+        pos, count = ops.bucket_select(scores, state.counts, state.buckets, state.ordinals, self.probes, group,
+                                       state.model is not None, self._newest, split.k, split.lo, split.hi,
                                        split.bounds())
         return split.selection(indices=pos, count=count)
 
