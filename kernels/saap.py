@@ -1,6 +1,5 @@
-"""SAAP's decode step in Triton: five kernels a layer (append, two for the bucket logits, bases, gather; around the
-gather three small torch launches: its output's -1 fill, a zeroed counter, the count's division), none reading back
-to the host: graph-capturable.
+"""SAAP's decode step in Triton: four launches a layer (two for the bucket logits, the second also carrying out the
+step's append in extra programs; bases; gather), none reading back to the host: graph-capturable.
 
 append         one program per (batch row, KV head, block of centroids): the block's best inner product with the
                new key (fp32, ties to the lower bucket), combined across blocks by an atomic max of (score, bucket)
@@ -8,15 +7,18 @@ append         one program per (batch row, KV head, block of centroids): the blo
                and appends the key leaving the dense window (`window` positions earlier, past the sink) to its
                bucket's list: its ordinal is the list's length, which grows by one (that one program owns the
                row's lists). One block per program: a step's centroids are read by the whole GPU, not by B x Hkv
-               programs in turn.
+               programs in turn. In a decode step these programs run inside the logits' launch (below): their two
+               dependent atomics a row overlap the Q-model's reads instead of preceding them.
 bucket_logits  the folded Q-model's logits relu(x w1 + b1) w2 + b2 in two launches, one program per (block of the
                hidden layer, then of buckets; KV head; block of query rows): a KV head's weights are read once for
                its query group over the whole batch, by many programs at once. Without a Q-model, one launch of
                the second kind: the queries' inner products with the centroids.
 bucket_bases   one program per (batch row, selection head): each query head's softmax (Q-model), the group's sum,
-               the `probes` best buckets by one sort of (score, bucket) pairs packed into int64 (ties to the lower
-               bucket), and the table of each bucket's first slot (-1 unvisited) with the chosen lists end to end.
-               Eight warps: the sort is the program's critical path.
+               the `probes` best buckets by a top-k of 32-bit rank keys (score and bucket in one int32, ties to the
+               lower bucket: reference.bucket_rank_keys), and the table of each bucket's first slot (-1 unvisited)
+               with the chosen lists end to end. In `bucket_select` it also fills the gather's output with -1 and
+               zeroes its counter (no torch launches around the gather). Eight warps: the top-k is the program's
+               critical path.
 bucket_gather  one program per chunk of positions of one (batch row, selection head): it reads the bucket and list
                ordinal of each key (8 bytes a key, against the 2·D·2 bytes of its K/V in 16 bits), looks up its
                bucket's first slot and stores the position at base + ordinal (ordinals are negative in newest-first
@@ -28,7 +30,7 @@ bucket_gather  one program per chunk of positions of one (batch row, selection h
                (RowBounds), as the code distances do.
 
 References: kernels/reference.py::saap_append_reference, bucket_logits_reference, bucket_bases_reference,
-bucket_gather_reference (same arguments).
+bucket_gather_reference, bucket_select_reference (same arguments).
 """
 
 from __future__ import annotations

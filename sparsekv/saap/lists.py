@@ -9,13 +9,14 @@ form, per (batch row, KV head):
 A key's bucket is recorded when it is appended; it joins its bucket's list when it leaves the dense window, so the
 lists hold exactly the keys the sparse part chooses from (positions [sink, length - window) of a layer without a
 sliding window) and a visited list has no key the window attends anyway. A prefill chunk takes n keys at once here
-(`record`, `admit`); a decode step's key, at device positions, takes one launch (`ops.saap_append`: its bucket,
-and the key leaving the window into its list; no host read, fixed shapes: graph-capturable).
-The CSR of the visited buckets is what a step reads: each chosen bucket's first slot in a fixed-size output (the
-chosen lists end to end, best bucket first; `ops.bucket_bases`) and the key at position p lands in slot
-base[bucket[p]] + ordinals[p] (`ops.bucket_gather`): the keys the paper's kernel reads through Idx, in its order.
+(`record`, `admit`); a decode step's key, at device positions, takes no launch of its own (`ops.saap_append`, or
+extra programs of the step's Q-model launch, `ops.bucket_logits(append=)`: its bucket, and the key leaving the
+window into its list; no host read, fixed shapes: graph-capturable).
+The CSR of the visited buckets is what a step reads (`ops.bucket_select`): each chosen bucket's first slot in a
+fixed-size output (the chosen lists end to end, best bucket first) and the key at position p lands in slot
+base[bucket[p]] + ordinals[p]: the keys the paper's kernel reads through Idx, in its order.
 
-Newest first (`newest_first=True`, the same flag to admit, ops.saap_append and ops.bucket_bases): each list is laid
+Newest first (`newest_first=True`, the same flag to admit, ops.saap_append and ops.bucket_select): each list is laid
 out newest key first, so that an output cut at its last slot drops the OLDEST keys of the bucket it cuts. The
 ordinals are then stored as -1 - index (a key's index in its list does not change as the list grows, so nothing is
 rewritten), and a chosen bucket's base is its first slot plus its length: slot = start + n - 1 - index, in
