@@ -320,6 +320,16 @@ def test_bucket_select_kernel_equals_its_reference():
 
 # -- the offline stage --------------------------------------------------------------------------------------------
 
+def test_kmeans_heads_side_by_side_equal_each_head_alone():
+    """The heads run on worker threads (one OpenMP thread each): each head's centroids = that head fitted alone."""
+    keys = torch.randn(2, 3, 800, 16, generator=torch.Generator().manual_seed(4))
+    together, _ = spherical_kmeans(keys, 8, iters=5, seed=3)
+    for li in range(2):
+        for h in range(3):
+            alone, _ = spherical_kmeans(keys[li : li + 1, h : h + 1], 8, iters=5, seed=3)
+            assert torch.equal(together[li, h], alone[0, 0])
+
+
 def test_faiss_cpu_kmeans_finds_the_clusters():
     g = torch.Generator().manual_seed(0)
     centers = torch.nn.functional.normalize(torch.randn(6, 16, generator=g), dim=-1)
