@@ -107,8 +107,14 @@ for f in sys.argv[2:]:
             r[f"vs_{name}"] = difference(r["samples"], b["samples"])
     json.dump(rows, open(f, "w"), indent=1)
 PY
-    $sk plot "$out"/niah-saap-l{8,16,32,64}-smollm2-$tag.json "$out/niah-budgets-smollm2-$tag.json" --x selectivity \
-        -o "$out/niah-saap-selectivity-smollm2-$tag.png"
+    plotted=("$out"/niah-saap-l{8,16,32,64}-smollm2-$tag.json "$out/niah-budgets-smollm2-$tag.json")
+    spot=$(echo "$work"/art/*/spotlight/v1)
+    if [[ -d "$spot" ]]; then  # Spotlight beside them when its part ran: the same prompts, budgets and dense part
+        $sk eval "${niah[@]}" --method spotlight --artifact "$spot" --budget 0.02,0.03,0.045,0.06 --sink 1 \
+            --window 63 --dense-layers 0 --json "$out/niah-spotlight-budgets-smollm2-$tag.json" "$@"
+        plotted+=("$out/niah-spotlight-budgets-smollm2-$tag.json")
+    fi
+    $sk plot "${plotted[@]}" --x selectivity -o "$out/niah-saap-selectivity-smollm2-$tag.png"
 fi
 if [[ " $parts " == *" speed "* ]]; then
     $sk bench --require-gpu --seq 131072 --shape llama3-8b --method dense,lsh,spotlight --budget 2048 \
