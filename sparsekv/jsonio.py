@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 def write_json(path: str | Path, payload: Any) -> Path:
     path = Path(path)
@@ -14,3 +16,10 @@ def write_json(path: str | Path, payload: Any) -> Path:
     tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     tmp.replace(path)
     return path
+
+
+def device_label(device: str | torch.device) -> str:
+    """What a result records as its device: "cpu", or the GPU's name (NVIDIA H100 80GB HBM3, ...): figures from
+    different cards are compared only within one card."""
+    device = torch.device(device)
+    return str(device) if device.type != "cuda" else torch.cuda.get_device_name(device)

@@ -45,6 +45,7 @@ from torch import nn
 
 from .activations import Activations
 from .errors import SparseKVError
+from .jsonio import device_label
 from .offline import targets
 from .offline.data import DumpExamples, Example
 from .offline.stage import data_record, fit_and_save, fit_layers
@@ -262,7 +263,7 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
                      "per_head": {k: [[round(float(x), 4) for x in row] for row in v.tolist()]
                                   for k, v in ious.items()}}
     report["seconds"] = round(time.perf_counter() - t0, 2)
-    report["device"] = str(device) if str(device) == "cpu" else torch.cuda.get_device_name(torch.device(device))
+    report["device"] = device_label(device)
     tensors = {"w1": model.w1.detach().float().cpu().contiguous(), "b1": model.b1.detach().float().cpu().contiguous(),
                "w2": model.w2.detach().float().cpu().contiguous(), "layers": torch.tensor(list(layers))}
     return tensors, config, report

@@ -21,6 +21,7 @@ from ..activations import text_tokens
 from ..decode import prefill as dense_prefill
 from ..decode import score_continuation
 from ..errors import SparseKVError
+from ..jsonio import device_label
 from ..methods import get_method
 from ..models import LoadedModel
 from .result import CellResult, decode_fields, decode_means, tokenizer_name
@@ -113,7 +114,7 @@ def _result(lm, spec, method, seq_len, prefill, n, dense_layers, text_source, wi
         budget=spec.budget, seq_len=seq_len, n=n, decode=decode_means(totals), model=lm.name, model_source=lm.source,
         artifact=spec.method_options.get("artifact"),
         seed=None,  # deterministic: windows are the first n * seq_len tokens
-        protocol=PROTOCOL, device=str(lm.device), seconds=seconds, dense_layers=list(dense_layers),
+        protocol=PROTOCOL, device=device_label(lm.device), seconds=seconds, dense_layers=list(dense_layers),
         measures={"nll": nll},
         task_fields={"prefill": prefill, "tokens_scored": scored * n, **decode_fields(lm, totals),
                      "tokenizer": tokenizer_name(lm), "text_source": text_source,

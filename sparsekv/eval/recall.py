@@ -42,6 +42,7 @@ import torch
 from ..activations import Activations, check_fingerprint
 from ..cache import DecodeStats
 from ..errors import SparseKVError
+from ..jsonio import device_label
 from ..patterns import FULL, AttentionPattern
 from ..methods import CacheShape, Method, get_method
 from ..models import LoadedModel
@@ -333,7 +334,7 @@ def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | 
         model=(acts.manifest.get("model") or {}).get("name", ""),
         model_source=lm.source if lm is not None else f"dump {acts.path}", artifact=spec.method_options.get("artifact"),
         seed=acts.data.get("seed"),  # the dump's query sampling seed
-        protocol=PROTOCOL, device=str(lm.device) if lm is not None else "cpu", seconds=seconds,
+        protocol=PROTOCOL, device=device_label(lm.device) if lm is not None else "cpu", seconds=seconds,
         dense_layers=sorted(dense),
         measures={**{k: mean(k) for k in METRICS}, "iou_reference": None if ref is None else ref.config()},
         task_fields={

@@ -13,6 +13,7 @@ from typing import Callable
 
 from ..decode import generate_batch, prefill
 from ..errors import SparseKVError
+from ..jsonio import device_label
 from ..methods import get_method, method_names
 from ..models import LoadedModel
 from ..selection import check_budget
@@ -161,7 +162,7 @@ def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, 
         task=task, metric=METRICS[task], score=score, method=spec.method, method_config=method.config(),
         budget=spec.budget, seq_len=seq_len, n=len(rows), decode=decode_means(totals), model=lm.name,
         model_source=lm.source, artifact=spec.method_options.get("artifact"), seed=seed, protocol=PROTOCOL,
-        device=str(lm.device), seconds=seconds, dense_layers=list(dense_layers),
+        device=device_label(lm.device), seconds=seconds, dense_layers=list(dense_layers),
         task_fields={
             **decode_fields(lm, totals),
             "per_depth": [{"depth": d, "n": len(v), "score": _mean(v)} for d, v in sorted(per_depth.items())],

@@ -37,6 +37,7 @@ import torch
 
 from ..activations import Activations
 from ..errors import SparseKVError
+from ..jsonio import device_label
 from ..offline.data import DumpExamples
 from ..offline.stage import data_record, fit_and_save, fit_layers
 from ..offline.train import TrainConfig, train
@@ -146,7 +147,7 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
     report["buckets"] = bucket_sizes(buckets[:, :, held_rows.to(buckets.device)], C)
     report["buckets"]["from_fit_sequences"] = not data.held_seqs
     report["seconds"] = round(time.perf_counter() - t0, 2)
-    report["device"] = str(device) if str(device) == "cpu" else torch.cuda.get_device_name(torch.device(device))
+    report["device"] = device_label(device)
     tensors = {"index": {"centroids": centroids.float().cpu().contiguous(), "layers": torch.tensor(list(layers))}}
     if model is not None:
         tensors["query_model"] = model.folded()
