@@ -5,8 +5,11 @@ Why: at batch 1 these ops are tiny, and eager transformers code runs each as sev
 pow, mean, add, rsqrt, mul, cast, mul); each costs a launch's minimum time, and over every layer of a step they add
 up to a large share of it. Here each is one kernel, one program per row, computing in fp32 and rounding once.
 
+`rope_write_kv` is RoPE of q and k and the K/V write in one launch (a decode step's three launches before its
+attention).
+
 References (same signatures, plain torch): `reference.py` (rms_norm_reference, rope_reference, silu_mul_reference,
-write_kv_reference).
+write_kv_reference, rope_write_kv_reference).
 """
 
 from __future__ import annotations
@@ -49,23 +52,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def _rope_row(X, COS, SIN, b, stride_cb, R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """One row X [D] of batch row b rotated (fp32): its first R dims by cos/sin, the rest passed through."""
+    c = tl.arange(0, BLOCK)
+    half: tl.constexpr = R // 2
+    rot = c < R
+    x = tl.load(X + c, mask=c < D, other=0.0).to(tl.float32)
+    partner = tl.where(c < half, c + half, c - half)  # rotate_half: (-x2, x1)
+    xp = tl.load(X + partner, mask=rot, other=0.0).to(tl.float32)
+    xp = tl.where(c < half, -xp, xp)
+    cos = tl.load(COS + b * stride_cb + c, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + b * stride_cb + c, mask=rot, other=0.0).to(tl.float32)
+    return tl.where(rot, x * cos + xp * sin, x)  # dims past the rotary ones pass through (partial rotary)
+
+
+@triton.jit
 def _rope_kernel(X, COS, SIN, OUT, H, stride_xb, stride_xh, stride_cb, stride_ob, stride_oh,
                  R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     c = tl.arange(0, BLOCK)
-    half: tl.constexpr = R // 2
-    rot = c < R
-    ok = c < D
-    x = tl.load(X + b * stride_xb + h * stride_xh + c, mask=ok, other=0.0).to(tl.float32)
-    partner = tl.where(c < half, c + half, c - half)  # rotate_half: (-x2, x1)
-    xp = tl.load(X + b * stride_xb + h * stride_xh + partner, mask=rot, other=0.0).to(tl.float32)
-    xp = tl.where(c < half, -xp, xp)
-    cos = tl.load(COS + b * stride_cb + c, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(SIN + b * stride_cb + c, mask=rot, other=0.0).to(tl.float32)
-    y = tl.where(rot, x * cos + xp * sin, x)  # dims past the rotary ones pass through (partial rotary)
-    tl.store(OUT + b * stride_ob + h * stride_oh + c, y.to(OUT.dtype.element_ty), mask=ok)
+    y = _rope_row(X + b * stride_xb + h * stride_xh, COS, SIN, b, stride_cb, R, D, BLOCK)
+    tl.store(OUT + b * stride_ob + h * stride_oh + c, y.to(OUT.dtype.element_ty), mask=c < D)
+
+
+@triton.jit
+def _rope_write_kernel(Q, K, V, COS, SIN, QO, KO, KB, VB, SLOT, Hq, Hkv,
+                       s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, stride_cb, s_qob, s_qoh, s_kob, s_koh,
+                       s_cb, s_ch, s_cn, s_db, s_dh, s_dn,
+                       R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    """Programs [0, B·Hq): a query row rotated; the next B·Hkv: a key row rotated, stored, and written with its value
+    row into the cache at the row's slot."""
+    i = tl.program_id(0)
+    nq = tl.num_programs(0) // (Hq + Hkv) * Hq  # B·Hq
+    c = tl.arange(0, BLOCK)
+    if i < nq:
+        b = i // Hq
+        h = i % Hq
+        y = _rope_row(Q + b * s_qb + h * s_qh, COS, SIN, b, stride_cb, R, D, BLOCK)
+        tl.store(QO + b * s_qob + h * s_qoh + c, y.to(QO.dtype.element_ty), mask=c < D)
+    else:
+        b = (i - nq) // Hkv
+        h = (i - nq) % Hkv
+        y = _rope_row(K + b * s_kb + h * s_kh, COS, SIN, b, stride_cb, R, D, BLOCK).to(KO.dtype.element_ty)
+        tl.store(KO + b * s_kob + h * s_koh + c, y, mask=c < D)
+        slot = tl.load(SLOT + b).to(tl.int64)
+        tl.store(KB + b * s_cb + h * s_ch + slot * s_cn + c, y, mask=c < D)
+        v = tl.load(V + b * s_vb + h * s_vh + c, mask=c < DV)
+        tl.store(VB + b * s_db + h * s_dh + slot * s_dn + c, v, mask=c < DV)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,6 +114,29 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _rope_kernel[(B * H,)](x, cos2, sin2, out, H, x.stride(0), x.stride(1), cos2.stride(0), out.stride(0),
                            out.stride(1), R=R, D=D, BLOCK=triton.next_power_of_2(D), num_warps=1)
     return out
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's q [B, Hq, 1, D] and k [B, Hkv, 1, D] rotated (`rope`), and the rotated k with v written into
+    the cache keys/values [B, Hkv, L, D] at slot [B] (`write_kv`), in one launch -> (q, k) rotated."""
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    if n != 1 or k.shape != (B, Hkv, 1, D) or v.shape[:3] != (B, Hkv, 1) or slot.shape != (B,):
+        raise ValueError(f"rope_write_kv: one token per row, q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, slot {tuple(slot.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, keys, values)):
+        raise ValueError("rope_write_kv: the last dim must be contiguous")
+    R, DV = cos.shape[-1], v.shape[-1]
+    cos2, sin2 = cos.reshape(B, R), sin.reshape(B, R)
+    qo = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    ko = torch.empty(B, Hkv, 1, D, dtype=k.dtype, device=k.device)
+    _rope_write_kernel[(B * (Hq + Hkv),)](
+        q, k, v, cos2, sin2, qo, ko, keys, values, slot, Hq, Hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), cos2.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        R=R, D=D, DV=DV, BLOCK=triton.next_power_of_2(max(D, DV)), num_warps=1)
+    return qo, ko
 
 
 @triton.jit

@@ -517,6 +517,16 @@ def write_kv_reference(keys: torch.Tensor, values: torch.Tensor, slot: torch.Ten
     values[rows, :, slot.long()] = v[:, :, 0]
 
 
+def rope_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated (`rope_reference`), the rotated k and v written into keys/values at slot [B]
+    (`write_kv_reference`) -> (q, k) rotated."""
+    q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    write_kv_reference(keys, values, slot, k, v)
+    return q, k
+
+
 def pooled_log_probs_reference(logits: torch.Tensor, group: int, scale: float, softcap: float | None = None,
                                keep: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, Hq, n] (unscaled q·k) -> log of softmax(logits x scale, softcapped, over `keep` [B, 1, n]) per query

@@ -31,6 +31,7 @@ def active_cache() -> "SparseCache | None":
 # LayerState fields the cache itself keeps (K/V buffers, lengths): load_row copies the method's fields only
 _CACHE_FIELDS = frozenset({"keys", "values", "lengths"})
 PRE_ROPE = "sparsekv_pre_rope"  # cache_kwargs key of a decode step's keys before RoPE (the split step hands them)
+WRITTEN = "sparsekv_written"  # cache_kwargs key: the decode step's K/V are at the slots already (ops.rope_write_kv)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ class SparseLayer(CacheLayerMixin):
         c = self.cache
         n = key_states.shape[2]
         if n == 1 and c.step_pos is not None:  # a decode step: the write slot comes from the device
-            ops.write_kv(self.keys, self.values, c.slots, key_states, value_states)
+            if not (cache_kwargs or {}).get(WRITTEN):
+                ops.write_kv(self.keys, self.values, c.slots, key_states, value_states)
             self._index(key_states, value_states, c.slots, (cache_kwargs or {}).get(PRE_ROPE))
             return self.keys, self.values
         start = self.length

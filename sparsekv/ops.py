@@ -255,6 +255,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (k.rope if k else ref.rope_reference)(x, cos, sin)
 
 
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's q and k [B, H, 1, D] rotated by cos/sin [B, 1, R], and the rotated k with v written into the
+    cache keys/values [B, Hkv, L, D] at device slots [B]: (q, k) rotated."""
+    kern = _layer_ops(q.device)
+    return (kern.rope_write_kv if kern else ref.rope_write_kv_reference)(q, k, v, cos, sin, keys, values, slot)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     k = _layer_ops(gate.device)
     return (k.silu_mul if k else ref.silu_mul_reference)(gate, up)

@@ -33,8 +33,7 @@ import torch
 
 from . import ops
 from .attention import decode_attention
-from .cache import PRE_ROPE
-from .cache import SparseCache
+from .cache import PRE_ROPE, WRITTEN, SparseCache
 from .errors import SparseKVError
 from .models import LoadedModel, cache_kwarg
 from .patterns import FAMILIES
@@ -89,9 +88,9 @@ class SplitForward:
         self.qkv_w = [_joined(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
         self.gate_up_w = [_joined(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
 
-    def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Layer i's q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (post-RoPE) of its normalised input x [B, 1, hidden], and
-        q and k before RoPE (views: what a method that indexes pre-RoPE vectors reads, exactly and for free)."""
+    def qkv(self, i: int, x: torch.Tensor):
+        """Layer i's q [B, Hq, 1, D], k, v [B, Hkv, 1, D] of its normalised input x [B, 1, hidden], q and k before
+        RoPE (what a method that indexes pre-RoPE vectors reads, exactly and for free; `attend` rotates them)."""
         attn = self.layers[i].self_attn
         shape = (*x.shape[:-1], -1, attn.head_dim)
         if self.qkv_w[i] is not None:
@@ -104,8 +103,7 @@ class SplitForward:
         if hasattr(attn, "q_norm"):  # qwen3 normalises q and k per head before RoPE
             q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)[0]
             k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)[0]
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v.transpose(1, 2), q, k
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         m = self.layers[i].mlp
@@ -116,9 +114,16 @@ class SplitForward:
             gate, up = m.gate_proj(x), m.up_proj(x)
         return m.down_proj(ops.silu_mul(gate, up))
 
-    def attend(self, i: int, cache: SparseCache, q, k, v, q_pre, k_pre) -> torch.Tensor:
-        """Layer i's cache update and attention (the method's select included) -> [B, 1, Hq * D]."""
-        cache.update(k, v, i, {PRE_ROPE: k_pre})
+    def attend(self, i: int, cache: SparseCache, q_pre, k_pre, v, cos, sin) -> torch.Tensor:
+        """Layer i's RoPE, cache update and attention (the method's select included) -> [B, 1, Hq * D]. With the
+        layer's buffers in place (after a prefill), RoPE of q and k and the K/V write are one launch."""
+        layer = cache.layers[i]
+        if layer.is_initialized:
+            q, k = ops.rope_write_kv(q_pre, k_pre, v, cos, sin, layer.keys, layer.values, cache.slots)
+            cache.update(k, v, i, {PRE_ROPE: k_pre, WRITTEN: True})
+        else:
+            q, k = ops.rope(q_pre, cos, sin), ops.rope(k_pre, cos, sin)
+            cache.update(k, v, i, {PRE_ROPE: k_pre})
         out = decode_attention(cache, i, q, q_pre)
         return out.reshape(*out.shape[:2], -1)
 
@@ -131,7 +136,7 @@ class SplitForward:
         for i, layer in enumerate(self.layers):
             ln = layer.input_layernorm
             x, h = ops.rms_norm(h if out is None else out, ln.weight, ln.variance_epsilon, None if out is None else h)
-            o = layer.self_attn.o_proj(self.attend(i, cache, *self.qkv(i, x, cos, sin)))
+            o = layer.self_attn.o_proj(self.attend(i, cache, *self.qkv(i, x), cos, sin))
             ln = layer.post_attention_layernorm
             x, h = ops.rms_norm(o, ln.weight, ln.variance_epsilon, h)
             out = self.mlp(i, x)

@@ -66,3 +66,24 @@ def test_write_kv(dtype):
     assert torch.equal(a[1, :, 39], kk[1, :, 0]) and torch.equal(b[0, :, 7], vv[0, :, 0])
     with pytest.raises(ValueError, match="one token per row"):
         k.write_kv(a, b, slot[:1], kk, vv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,R", [(16, 16), (20, 10)])
+def test_rope_write_kv(dtype, D, R):
+    """RoPE of q and k and the K/V write in one launch = rope of each + write_kv: the rotated k lands at each row's
+    slot (partial rotary: the dims past R pass through), the other slots keep their values."""
+    q = _r(2, 1, 6, D, dtype=dtype).transpose(1, 2)  # [B, Hq, 1, D] transposed views, as the step makes them
+    kk, vv = _r(2, 1, 3, D, dtype=dtype, seed=1).transpose(1, 2), _r(2, 3, 1, D + 4, dtype=dtype, seed=2)
+    ang = _r(2, 1, R // 2, dtype=torch.float32, seed=4)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    keys, values = _r(2, 3, 40, D, dtype=dtype, seed=5), _r(2, 3, 40, D + 4, dtype=dtype, seed=6)
+    slot = torch.tensor([7, 39], dtype=torch.int32, device=DEV)
+    a, b = keys.clone(), values.clone()
+    q_rot, k_rot = k.rope_write_kv(q, kk, vv, cos, sin, a, b, slot)
+    q_ref, k_ref = ref.rope_write_kv_reference(q, kk, vv, cos, sin, keys, values, slot)
+    _close(q_rot, q_ref, dtype)
+    _close(k_rot, k_ref, dtype)
+    _close(a, keys, dtype)
+    assert torch.equal(b, values) and torch.equal(a[1, :, 39], k_rot[1, :, 0])
+    assert not torch.equal(k_rot, kk)
