@@ -87,20 +87,21 @@ def _rope_write_kernel(Q, K, V, COS, SIN, QO, KO, KB, VB, SLOT, Hq, Hkv,
     i = tl.program_id(0)
     nq = tl.num_programs(0) // (Hq + Hkv) * Hq  # B·Hq
     c = tl.arange(0, BLOCK)
+    # each branch names its own values: a name bound in both branches of a Triton `if` must keep one type
     if i < nq:
-        b = i // Hq
-        h = i % Hq
-        y = _rope_row(Q + b * s_qb + h * s_qh, COS, SIN, b, stride_cb, R, D, BLOCK)
-        tl.store(QO + b * s_qob + h * s_qoh + c, y.to(QO.dtype.element_ty), mask=c < D)
+        bq = i // Hq
+        hq = i % Hq
+        yq = _rope_row(Q + bq * s_qb + hq * s_qh, COS, SIN, bq, stride_cb, R, D, BLOCK)
+        tl.store(QO + bq * s_qob + hq * s_qoh + c, yq.to(QO.dtype.element_ty), mask=c < D)
     else:
-        b = (i - nq) // Hkv
-        h = (i - nq) % Hkv
-        y = _rope_row(K + b * s_kb + h * s_kh, COS, SIN, b, stride_cb, R, D, BLOCK).to(KO.dtype.element_ty)
-        tl.store(KO + b * s_kob + h * s_koh + c, y, mask=c < D)
-        slot = tl.load(SLOT + b).to(tl.int64)
-        tl.store(KB + b * s_cb + h * s_ch + slot * s_cn + c, y, mask=c < D)
-        v = tl.load(V + b * s_vb + h * s_vh + c, mask=c < DV)
-        tl.store(VB + b * s_db + h * s_dh + slot * s_dn + c, v, mask=c < DV)
+        bk = (i - nq) // Hkv
+        hk = (i - nq) % Hkv
+        yk = _rope_row(K + bk * s_kb + hk * s_kh, COS, SIN, bk, stride_cb, R, D, BLOCK).to(KO.dtype.element_ty)
+        tl.store(KO + bk * s_kob + hk * s_koh + c, yk, mask=c < D)
+        slot = tl.load(SLOT + bk).to(tl.int64)
+        tl.store(KB + bk * s_cb + hk * s_ch + slot * s_cn + c, yk, mask=c < D)
+        v = tl.load(V + bk * s_vb + hk * s_vh + c, mask=c < DV)
+        tl.store(VB + bk * s_db + hk * s_dh + slot * s_dn + c, v, mask=c < DV)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
