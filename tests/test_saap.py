@@ -619,6 +619,36 @@ def test_select_reads_only_the_visited_buckets_within_the_cap(tiny, cap_keep):
     assert m.config()["cap_keep"] == (cap_keep or "newest")
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+def test_each_decode_steps_key_is_filed_by_its_select_dense_or_sparse(kernel):
+    """A decode step's append (device position) is pending until the step's select carries it out: by its own launch
+    while the budget still covers the context (a dense select), with the Q-model's logits after; the lists then
+    equal a rebuild from every key."""
+    index = random_index(1, 2, 20, clusters=6, hidden=16, seed=3)
+    m = get_method("saap", budget=40, sink=1, window=4, index=index, probes=2)
+    st = m.new_state(0, CacheShape(1, 2, 6, 20, 80, torch.float32, torch.device(DEV)))
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(1, 2, 80, 20, generator=g).to(DEV)
+    st.keys, st.values, st.length = k, k, 30
+    m.append(st, k[:, :, :30], k[:, :, :30], k[:, :, :30], 0)  # the prefill
+    dense = []
+    with ops.kernels(kernel):
+        for p in range(30, 80):
+            st.length = p + 1
+            one = k[:, :, p : p + 1]
+            m.append(st, one, one, one, torch.tensor([p], device=DEV))
+            assert st.pending is not None and int(st.buckets[0, 0, p]) == 6  # not filed yet
+            q = torch.randn(1, 6, 1, 20, generator=g).to(DEV)
+            dense.append(m.select(st, q, q).dense)
+            assert st.pending is None and int(st.buckets[0, 0, p]) < 6
+    assert any(dense) and not all(dense)
+    rebuilt = new_lists(1, 2, 80, 6, "cpu")
+    record(rebuilt[0], assign(k.cpu(), index["centroids"][0]), 0)
+    admit(*rebuilt, 1, 80 - 4 - 1, True)
+    for a, b in zip((st.buckets, st.ordinals, st.counts), rebuilt):
+        assert torch.equal(a.cpu(), b)
+
+
 def test_ragged_batch_equals_each_prompt_alone(tiny):
     from sparsekv.decode import generate_batch
 
