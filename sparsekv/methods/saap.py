@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 
+from sparsekv.kernels.reference import PendingAppend
+
 from .. import ops
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
-from sparsekv.kernels.reference import PendingAppend
 from ..pooling import Pooling
 from ..saap.lists import admit, new_lists, record
 from ..saap.model import assign
