@@ -8,7 +8,7 @@ import torch
 
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
-from sparsekv.methods import CacheShape, get_method
+from sparsekv.methods import CacheShape, MethodOptions, get_method
 from sparsekv.kernels.reference import quantize_pack_reference
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel path: the GPU, else the interpreter
@@ -357,3 +357,12 @@ def test_bench_rows():
     assert quest["bytes"]["select"] == B * Hkv * (L // 16) * 2 * D * 4  # max and min of each page
     # 128 bits = 8 int16 words per key and the hyperplanes the query is hashed with (fp32)
     assert lsh["bytes"]["select"] == B * Hkv * L * 8 * 2 + Hkv * D * 128 * 4
+
+
+def test_lsh_hyperplanes_are_a_run_option():
+    """`--projection` (a method option of every command that runs methods) reaches lsh; a bad one is refused."""
+    m = MethodOptions(projection="gaussian").build("lsh", budget=32)
+    assert m.projection == "gaussian" and m.config()["projection"] == "gaussian"
+    assert not torch.equal(m.hyperplanes(0, 2, 16), MethodOptions().build("lsh", budget=32).hyperplanes(0, 2, 16))
+    with pytest.raises(SparseKVError, match="unknown projection"):
+        MethodOptions(projection="cubic").build("lsh", budget=32)

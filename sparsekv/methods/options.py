@@ -36,6 +36,8 @@ class MethodOptions:
                                  "the budget (1 = off)")
     page_size: int | None = _option("quest: tokens per page")
     nbits: int | None = _option("lsh: hash bits per key")
+    projection: str | None = _option("lsh: its hyperplanes, 'rotation' (angular LSH, the Spotlight paper's linear "
+                                     "baseline; default) or 'gaussian' (plain SimHash hyperplanes, as MagicPIG)")
     probes: int | None = _option("saap: buckets visited per query, ℓ (default: the paper's 32 per 1024 buckets)")
     query_model: bool | None = _option("saap: rank buckets with the index's query model (the paper) or, with "
                                        "--no-query-model, by the query's inner product with the centroids (its "
