@@ -302,7 +302,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           LANE_BITS: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
                           PW2: tl.constexpr, L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
                           BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr,
-                          BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0):
+                          BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0, DENSE_ROWS: tl.constexpr = False):
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -316,6 +316,8 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
         inside = (pos >= first) & (pos < L - window)
     w = tl.arange(0, BLOCK_W)
     w_ok = w < NW
+    if DENSE_ROWS:  # keys' lanes back to back (stride NW): the compiler sees one contiguous tile and loads it in
+        stride_kn = NW  # 16-byte vectors; with a run-time stride it read each lane alone (~60 % of copy bandwidth)
     # the key tile, read once for the whole query group; padding words read as 0 (code 0 on both sides: adds 0)
     k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
                 mask=k_ok[:, None] & w_ok[None, :], other=0)
@@ -473,7 +475,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         BYTE_SUM=(fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255), BITS=bits, PW=pw,
         PW2=triton.next_power_of_2(pw), L2=metric == "l2",
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
-        POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill,
+        POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill, DENSE_ROWS=kw.stride(2) == NW == BLOCK_W,
     )
     return out
 

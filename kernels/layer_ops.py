@@ -141,21 +141,33 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, OUT, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, OUT, n, stride_g, stride_u, BLOCK: tl.constexpr):
+    r = tl.program_id(1).to(tl.int64)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    g = tl.load(G + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + i, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + i, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=ok)
+    g = tl.load(G + r * stride_g + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + r * stride_u + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + r * n + i, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=ok)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up, elementwise (contiguous inputs of one shape)."""
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    n = g.numel()
+    """SiLU(gate) * up, elementwise, inputs of one shape -> a contiguous result. Rows may be strided (the halves of
+    one joined gate/up product, which a batch > 1 would otherwise copy out first: two launches a layer)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    n = gate.shape[-1]
+    g, u = gate.reshape(-1, n), up.reshape(-1, n)  # views where the leading dims merge
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    if u.stride(-1) != 1:
+        u = u.contiguous()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows = g.shape[0]
+    if rows * n == 0:
+        return out
     BLOCK = 1024
-    _silu_mul_kernel[(triton.cdiv(n, BLOCK),)](g, u, out, n, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, BLOCK), rows)](g, u, out, n, g.stride(0), u.stride(0), BLOCK=BLOCK,
+                                                    num_warps=4)
     return out
 
 

@@ -52,6 +52,12 @@ def test_rope(dtype, D, R):
 def test_silu_mul(dtype):
     g, u = _r(1, 1, 3000, dtype=dtype), _r(1, 1, 3000, dtype=dtype, seed=1)
     _close(k.silu_mul(g, u), ref.silu_mul_reference(g, u), dtype)
+    joined = _r(3, 1, 2 * 1100, dtype=dtype, seed=2)  # a batch's joined gate/up product: strided halves, no copy
+    g, u = joined.chunk(2, dim=-1)
+    assert not g.is_contiguous()
+    out = k.silu_mul(g, u)
+    assert out.shape == (3, 1, 1100) and out.is_contiguous()
+    _close(out, ref.silu_mul_reference(g, u), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
