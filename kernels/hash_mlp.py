@@ -16,6 +16,8 @@ mlp_hash_pack(_into)  one fused pass per (KV head, block of rows): a program loa
                       arrival count, acquire/release) adds them in chunk order and packs.
                       Without b1 and w2 the hash is linear, sign(x @ w1) (LSH's hyperplanes): one dot per
                       program and chunk of bits, the chunks on programs of their own.
+                      `append`: a decode step's new keys join the queries' launch as extra rows of each KV
+                      head's programs (same weights), stored into the code buffer at each row's device slot.
 
 Weights (per KV head, row-vector form y = SiLU(x @ w1 + b1) @ w2, i.e. W1 = w1ᵀ, W2 = w2ᵀ of the paper):
 w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits], any strides. Each dot's operands take its weight's dtype: fp32
@@ -44,7 +46,7 @@ import triton
 import triton.language as tl
 
 from .device import num_sms
-from .reference import _mlp_hash_shapes
+from .reference import PendingHash, _mlp_hash_shapes
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -55,16 +57,19 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
                      stride_xb, stride_xh, stride_xn, stride_xd,
                      stride_1h, stride_1d, stride_1m, stride_bh, stride_bm, stride_2h, stride_2m, stride_2k,
                      stride_ob, stride_oh, stride_on,
+                     K, KOUT, KSLOT, stride_kb, stride_kh, stride_kd, stride_cb, stride_ch, stride_cn,
                      D: tl.constexpr, M: tl.constexpr, NBITS: tl.constexpr, W: tl.constexpr,
                      PREC1: tl.constexpr, PREC2: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROW_START: tl.constexpr, LINEAR: tl.constexpr, SPLIT: tl.constexpr):
+                     ROW_START: tl.constexpr, LINEAR: tl.constexpr, SPLIT: tl.constexpr,
+                     WITH_KEYS: tl.constexpr = False):
     pid_m = tl.program_id(0)
     kv = tl.program_id(1)
     # rows flattened (b, g, i): batch row b, query head kv·G + g, position i; a KV head's rows of every batch row
     # share its weights, so a decode step of a batch reads them once per program, not once per batch row
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = r < B * G * n
+    n_x = B * G * n
+    r_ok = r < n_x
     b = (r // (G * n)).to(tl.int64)
     g = (r // n) % G
     i = r % n
@@ -75,10 +80,19 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
     d_ok = dd < D
     x = tl.load(X + b[:, None] * stride_xb + h[:, None] * stride_xh + i[:, None] * stride_xn
                 + dd[None, :] * stride_xd, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(W1.dtype.element_ty)
+    o_row = OUT + b * stride_ob + h * stride_oh + (start + i) * stride_on  # [BLOCK_M] pointers
+    if WITH_KEYS:  # rows n_x + b: a decode step's new key of batch row b, into the code buffer at its device slot
+        is_k = (r >= n_x) & (r < n_x + B)
+        kb = tl.where(is_k, r - n_x, 0).to(tl.int64)
+        slot = tl.load(KSLOT + kb, mask=is_k, other=0).to(tl.int64)
+        xk = tl.load(K + kb[:, None] * stride_kb + kv * stride_kh + dd[None, :] * stride_kd,
+                     mask=is_k[:, None] & d_ok[None, :], other=0.0).to(W1.dtype.element_ty)
+        x = tl.where(is_k[:, None], xk, x)
+        o_row = tl.where(is_k, KOUT + kb * stride_cb + kv * stride_ch + slot * stride_cn, o_row)
+        r_ok = r_ok | is_k
     w1_base = W1 + kv * stride_1h
     b1_base = B1 + kv * stride_bh
     w2_base = W2 + kv * stride_2h
-    o_row = OUT + b * stride_ob + h * stride_oh + (start + i) * stride_on  # [BLOCK_M] pointers
     if LINEAR:  # y = x @ w1: one dot, w1's columns are the bits; program_id(2) is this program's chunk of bits
         nc = tl.program_id(2)
         cols = nc * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,7 +184,8 @@ def _prec(dtype: torch.dtype, precision: str) -> str:
 def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor | None,
                        out_words: torch.Tensor, start: int | torch.Tensor, *, precision: str = "ieee",
                        block_m: int | None = None, block_k: int | None = None, block_n: int | None = None,
-                       num_warps: int | None = None, split: bool | None = None) -> None:
+                       num_warps: int | None = None, split: bool | None = None,
+                       append: PendingHash | None = None) -> None:
     """The hash codes of x [B, H, n, D] written into out_words[:, :, start:start + n] in place.
 
     out_words: int16 [B, H, Lmax, ceil(nbits / 16)] with contiguous words (the cache state; other slots are not
@@ -184,6 +199,8 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     the row blocks alone would give fewer programs than it has multiprocessors, e.g. a decode step): the hidden
     units are split over programs in chunks of block_k, whose partial sums the last one to finish adds up and
     packs. Same bits as mlp_hash_pack_into_reference up to pre-sign values within rounding of 0.
+    append: a decode step's new keys (PendingHash: k [B, Hkv, 1, D] into its codes at device slots [B]), hashed
+    with the same weights in the same launch, as extra rows of each KV head's programs.
     """
     Hkv, M, nbits = _check(x, w1, b1, w2)
     if precision not in _PRECISIONS:
@@ -205,6 +222,9 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
         return
     G = H // Hkv
     rows = B * G * n  # a KV head's rows: every batch row's query group x the n positions
+    if append is not None:
+        _check_append(append, B, Hkv, D, W, x.device)
+        rows += B  # and each batch row's new key
     linear = w2 is None
     # below 64 rows a linear hash takes them in one program (a batch's decode rows of a KV head); an MLP keeps 16
     # a program, so that a batch's rows spread over more programs beside the split of its hidden units
@@ -223,16 +243,35 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     chunks = triton.cdiv(M, BLOCK_K) if split else triton.cdiv(nbits, BLOCK_N)
     scr, cnt = _split_scratch(x.device, m_blocks * Hkv, chunks, BLOCK_M, BLOCK_N) if split else (x, out_words)
     b1_, w2_ = (w1[:, 0], w1) if linear else (b1, w2)  # unread placeholders of a linear hash
+    a = append or PendingHash(x, out_words, out_words)  # unread placeholders without keys
     _mlp_hash_kernel[(m_blocks, Hkv, chunks)](
         x, w1, b1_, w2_, out_words, start if row_start else out_words, scr, cnt, n, G, B,
         0 if row_start else start,
         x.stride(0), x.stride(1), x.stride(2), x.stride(3),
         w1.stride(0), w1.stride(1), w1.stride(2), b1_.stride(0), b1_.stride(1), w2_.stride(0), w2_.stride(1),
         w2_.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
+        a.k, a.codes, a.slots, a.k.stride(0), a.k.stride(1), a.k.stride(3), a.codes.stride(0), a.codes.stride(1),
+        a.codes.stride(2),
         D=D, M=M, NBITS=nbits, W=W, PREC1=_prec(w1.dtype, precision), PREC2=_prec(w2_.dtype, precision),
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
-        ROW_START=row_start, LINEAR=linear, SPLIT=bool(split), num_warps=num_warps or (8 if BLOCK_M >= 64 else 4),
+        ROW_START=row_start, LINEAR=linear, SPLIT=bool(split), WITH_KEYS=append is not None,
+        num_warps=num_warps or (8 if BLOCK_M >= 64 else 4),
     )
+
+
+def _check_append(a: PendingHash, B: int, Hkv: int, D: int, W: int, device: torch.device) -> None:
+    if a.k.dim() != 4 or tuple(a.k.shape) != (B, Hkv, 1, D) or a.k.device != device or a.k.dtype not in _FLOATS:
+        raise ValueError(f"append.k must be a float tensor [{B}, {Hkv}, 1, {D}] on {device}, got {a.k.dtype} "
+                         f"{tuple(a.k.shape)} on {a.k.device}")
+    c = a.codes
+    if (c.dtype != torch.int16 or c.dim() != 4 or tuple(c.shape[:2]) != (B, Hkv) or c.shape[3] != W
+            or c.stride(-1) != 1 or c.device != device):
+        raise ValueError(f"append.codes must be int16 [{B}, {Hkv}, Lmax, {W}] on {device} with contiguous words, "
+                         f"got {c.dtype} {tuple(c.shape)} on {c.device}")
+    if (a.slots.shape != (B,) or a.slots.device != device or a.slots.is_floating_point()
+            or a.slots.is_complex()):
+        raise ValueError(f"append.slots must be an integer tensor [{B}] on {device}, got {a.slots.dtype} "
+                         f"{tuple(a.slots.shape)} on {a.slots.device}")
 
 
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -252,7 +291,7 @@ def _split_scratch(device: torch.device, blocks: int, chunks: int, block_m: int,
 def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
                   w2: torch.Tensor | None = None, **tuning) -> torch.Tensor:
     """Fused MLP hash + sign + pack: x [B, H, n, D] -> int16 words [B, H, n, ceil(nbits / 16)]
-    (see mlp_hash_pack_into for the weights and `tuning`)."""
+    (see mlp_hash_pack_into for the weights, `append` and `tuning`)."""
     _, _, nbits = _check(x, w1, b1, w2)
     B, H, n, _ = x.shape
     out = torch.empty(B, H, n, triton.cdiv(nbits, 16), dtype=torch.int16, device=x.device)

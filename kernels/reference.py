@@ -630,13 +630,25 @@ def mlp_hash_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     return y.reshape(B, H, n, nbits)
 
 
+@dataclass
+class PendingHash:
+    """A decode step's key hash (mlp_hash_pack_into of k [B, Hkv, 1, D] into `codes` at device slots [B]) handed to
+    the step's query hash, which carries it out first (the kernel: in the same launch)."""
+
+    k: torch.Tensor
+    codes: torch.Tensor
+    slots: torch.Tensor
+
+
 def mlp_hash_pack_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
-                            w2: torch.Tensor | None = None) -> torch.Tensor:
+                            w2: torch.Tensor | None = None, append: PendingHash | None = None) -> torch.Tensor:
     """Spotlight's hash codes int16 [B, H, n, ceil(nbits / 16)]: bit j of the code = 1[mlp_hash_reference(x)_j > 0],
     packed as 1-bit codes (code_pack_reference, bits=1: bit j at position j % 16 of word j // 16, padding bits 0),
     i.e. quantize_pack_reference(y, thresholds (0,), bits=1, transform=False). Contract of
     `hash_mlp.mlp_hash_pack`; the codes' L1 distance with bits=1 (code_scores / code_topk) is their Hamming
-    distance."""
+    distance. `append`: a decode step's key hash, done first."""
+    if append is not None:
+        mlp_hash_pack_into_reference(append.k, w1, b1, w2, append.codes, append.slots)
     y = mlp_hash_reference(x, w1, b1, w2)
     return code_pack_reference((y > 0).to(torch.uint8), bits=1)
 

@@ -114,6 +114,36 @@ def test_linear_hash_kernel_matches_reference(nbits, case):
         mlp_hash_pack(x, w1, w1[:, 0])
 
 
+@pytest.mark.parametrize("hash_kind,split", [("mlp", True), ("mlp", False), ("linear", False)])
+@pytest.mark.parametrize("B,G", [(1, 4), (3, 2), (3, 6)])  # (3, 6): keys in a second row block
+def test_step_keys_hashed_with_the_queries(hash_kind, split, B, G):
+    """A decode step's new keys (PendingHash) hashed in the queries' launch: the same query words and the same key
+    codes at each row's device slot as two separate calls; the codes' other slots untouched. The reference does
+    the same."""
+    from sparsekv.kernels.reference import PendingHash
+
+    Hkv, D = 2, 64
+    w = _weights(Hkv, D, M=48, nbits=40, seed=B + G) if hash_kind == "mlp" else \
+        [(torch.randn(Hkv, D, 40, generator=_gen(B)) / 8).to(DEV), None, None]
+    q = torch.randn(B, Hkv * G, 1, D, generator=_gen(G)).to(DEV)
+    k = torch.randn(B, Hkv, 1, D, generator=_gen(G + 1)).to(DEV)
+    slots = torch.tensor([5, 0, 7][:B], dtype=torch.int32, device=DEV)
+    codes = torch.randint(-30000, 30000, (B, Hkv, 9, 3), generator=_gen(2), dtype=torch.int16).to(DEV)
+    tuning = dict(split=split, block_k=16) if hash_kind == "mlp" else {}
+    want_codes = codes.clone()
+    mlp_hash_pack_into(k, *w, want_codes, slots, **tuning)
+    want_q = mlp_hash_pack(q, *w, **tuning)
+    got_codes = codes.clone()
+    got_q = mlp_hash_pack(q, *w, append=PendingHash(k, got_codes, slots), **tuning)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_codes, want_codes) and not torch.equal(got_codes, codes)
+    ref_codes = codes.clone()
+    ref_q = mlp_hash_pack_reference(q, *w, append=PendingHash(k, ref_codes, slots))
+    assert (ref_q != got_q).float().mean() <= 0.01 and (ref_codes != got_codes).float().mean() <= 0.01
+    with pytest.raises(ValueError, match="append.slots"):
+        mlp_hash_pack(q, *w, append=PendingHash(k, got_codes, slots[:1] if B > 1 else slots.float()))
+
+
 def test_reference_is_the_linear_codes_of_the_mlp_output():
     """The reference's packing is exactly quantize_pack_reference(y, (0,), bits=1, transform=False): the `lsh`
     method's layout, which code_scores / code_topk score."""

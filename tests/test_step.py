@@ -85,6 +85,7 @@ def test_static_step_honours_sliding_windows(family, method, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter test: on a GPU the graph tests cover it")
 @pytest.mark.parametrize("method", [("adamas", {"budget": 24}), ("lsh", {"budget": 24}),
+                                    ("spotlight", {"budget": 24, "hashes": untrained_hashes(2, 2, 20, hidden=32)}),
                                     ("quest", {"budget": 40, "page_size": 8})], ids=lambda m: m[0])
 def test_static_step_through_the_kernels(tiny, prompt_ids, method, monkeypatch):
     """The Triton path of a replayed step (per-row write slots into the code buffer or the page bounds, each row's
@@ -142,6 +143,8 @@ def test_other_architectures_keep_the_transformers_step(tiny):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("method", [("dense", {}), ("oracle", {"budget": 8}), ("quest", {"budget": 32}),
+                                    ("lsh", {"budget": 24}),
+                                    ("spotlight", {"budget": 24, "hashes": untrained_hashes(2, 2, 20, hidden=32)}),
                                     ("saap", {"budget": 64, "sink": 1, "window": 8, "probes": 3,
                                               "index": random_index(2, 2, 20, clusters=8, hidden=16)})],
                          ids=lambda m: m[0])

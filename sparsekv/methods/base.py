@@ -8,7 +8,10 @@ every token (sparsekv/step.py):
 - allocate nothing persistent: `new_state` preallocates the state for the cache's capacity;
 - never read a device value on the host (no `.item()`, `int(tensor)`, `.tolist()`, data-dependent shapes, Python
   branches on tensor values);
-- in a decode step, `append` gets the write slots as a device tensor [B] (`write_at` takes both forms);
+- in a decode step, `append` gets the write slots as a device tensor [B] (`write_at` takes both forms); it may
+  leave its work pending for the step's `select` to do in the launch that scores the query (`spotlight` / `lsh`
+  hash the new key with the queries, `saap` files it with the query model's logits): every decode step of a layer
+  that indexes selects after it appends, and a select that reads every key, or the next append, does it alone;
 - decide on the host only what stays fixed while the context grows past the budget: `split` (dense or not, k, sink,
   window) does; the region the sparse part comes from is `BudgetSplit.lo/hi`, exact in an eager step, sized to the
   cache in a captured one, with `BudgetSplit.keep` / `masked` marking on the device the positions of this step;

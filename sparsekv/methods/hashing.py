@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from sparsekv.kernels.reference import PendingHash
 from ..selection import Selection, code_selection, topk_selection
 from .base import CacheShape, LayerState, Method
 
@@ -18,10 +19,15 @@ from .base import CacheShape, LayerState, Method
 @dataclass
 class HashState(LayerState):
     codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, ceil(nbits / 16)]: key hashes, valid up to length
+    pending: PendingHash | None = None  # a decode step's key hash, carried out by the step's query hash
 
 
 class HashSelect(Method):
-    """Base of the hashing methods: subclasses set `nbits` and implement `new_state`, `append`, `query_words`."""
+    """Base of the hashing methods: subclasses set `nbits` and implement `new_state` and `weights` (the hash).
+
+    A decode step's new key is hashed in the same launch as its queries: `append` leaves it pending and the step's
+    select hands it to the query hash (one launch fewer a layer). Every decode step of a layer that indexes selects
+    after it appends; a select that reads every key, or the next append, hashes a pending key on its own."""
 
     nbits: int = 0
 
@@ -30,13 +36,35 @@ class HashSelect(Method):
         return torch.zeros(shape.batch, shape.kv_heads, shape.max_len, -(-self.nbits // 16), dtype=torch.int16,
                            device=shape.device)
 
-    def query_words(self, state: HashState, q: torch.Tensor) -> torch.Tensor:
-        """The queries' packed sign bits [B, Hq, 1, W]."""
+    def weights(self, state: HashState) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """This layer's hash as (w1, b1, w2) of ops.mlp_hash_pack: an MLP, or (w1, None, None) a linear hash."""
         raise NotImplementedError
+
+    def append(self, state: HashState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos) -> None:
+        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer, packed; a decode step's key
+        (device positions) when the step selects (`select`)."""
+        self.flush(state)
+        if isinstance(pos, torch.Tensor) and k.shape[2] == 1:
+            state.pending = PendingHash(k, state.codes, pos)
+        else:
+            ops.mlp_hash_pack_into(k, *self.weights(state), state.codes, pos)
+
+    def flush(self, state: HashState) -> None:
+        """Hash a pending decode-step key on its own (one launch)."""
+        a, state.pending = state.pending, None
+        if a is not None:
+            ops.mlp_hash_pack_into(a.k, *self.weights(state), a.codes, a.slots)
+
+    def query_words(self, state: HashState, q: torch.Tensor) -> torch.Tensor:
+        """The queries' packed sign bits [B, Hq, 1, W], each query head through its KV head's hash; the pending key
+        is hashed in the same launch."""
+        a, state.pending = state.pending, None
+        return ops.mlp_hash_pack(q, *self.weights(state), append=a)
 
     def select(self, state: HashState, q: torch.Tensor, q_pre_rope) -> Selection:
         split = self.split(state)
         if split.dense:
+            self.flush(state)
             return split.selection()
         q_words = self.query_words(state, q)
         sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from .. import ops
 from ..errors import SparseKVError
 from ..pooling import Pooling
 from .base import CacheShape, register
@@ -72,14 +71,10 @@ class LSH(HashSelect):
         proj = self.hyperplanes(layer, shape.kv_heads, shape.head_dim).to(shape.device)
         return LSHState(codes=codes, proj=proj)
 
-    def append(self, state: LSHState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
-        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer (eq. 4): projection, sign and
-        bit-pack in one pass (the linear case of the hash kernel Spotlight's MLP uses)."""
-        ops.mlp_hash_pack_into(k, state.proj, None, None, state.codes, pos)
-
-    def query_words(self, state: LSHState, q: torch.Tensor) -> torch.Tensor:
-        """The queries' packed sign bits [B, Hq, 1, W]: H(q) = sign(q R) with their KV head's hyperplanes."""
-        return ops.mlp_hash_pack(q, state.proj)
+    def weights(self, state: LSHState) -> tuple[torch.Tensor, None, None]:
+        """The linear hash H(x) = sign(x R) (eq. 4) with this layer's hyperplanes: projection, sign and bit-pack in
+        one pass (the linear case of the hash kernel Spotlight's MLP uses)."""
+        return state.proj, None, None
 
     def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
         """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""

@@ -5,7 +5,7 @@ every key is hashed as it arrives, H(k) = sign(W2 SiLU(W1 k + b1)) (eq. 5-6), an
 beside K/V; at a decode step the query is hashed by its KV head's MLP and the keys whose codes match it in the
 most bits (eq. 3, NXOR; = nbits - Hamming distance) are attended. The MLPs come from `sparsekv train-hash`
 (sparsekv/train_hash.py: the paper's ranking loss on a dump), loaded from its artifact (`artifact=`). The hash
-and bit-pack of the new key and of the queries are one fused kernel each (kernels/hash_mlp.py); ranking and
+and bit-pack of a decode step's new key and queries are one fused launch (kernels/hash_mlp.py); ranking and
 top-k are the shared 1-bit code kernels (xor + popcount), the same as `lsh`, the linear comparison point with the
 same bits.
 
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from .. import ops
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
 from ..pooling import Pooling
@@ -95,20 +94,14 @@ class Spotlight(HashSelect):
         return SpotlightState(codes=codes, w1=self.w1[i].to(dev).contiguous(), b1=self.b1[i].to(dev).contiguous(),
                               w2=self.w2[i].to(dev).contiguous(), layer=layer)
 
-    def _weights(self, state: SpotlightState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def weights(self, state: SpotlightState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's MLPs (eq. 5-6: H(x) = sign(W2 SiLU(W1 x + b1)), one per KV head; query heads use their KV
+        head's)."""
         if state.w1 is None:
             trained = ",".join(map(str, sorted(self.layers)))
             raise SparseKVError(f"spotlight: layer {state.layer} has no trained hash in {self.artifact} (layers "
                                 f"{trained}); train it (train-hash --layers) or keep it dense (--dense-layers)")
         return state.w1, state.b1, state.w2
-
-    def append(self, state: SpotlightState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos) -> None:
-        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer (eq. 5-6, packed)."""
-        ops.mlp_hash_pack_into(k, *self._weights(state), state.codes, pos)
-
-    def query_words(self, state: SpotlightState, q: torch.Tensor) -> torch.Tensor:
-        """The queries' codes [B, Hq, 1, W], each query head through its KV head's MLP."""
-        return ops.mlp_hash_pack(q, *self._weights(state))
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
