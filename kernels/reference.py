@@ -506,6 +506,11 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat(((xr * c + half * s).to(x.dtype), x[..., R:]), dim=-1)
 
 
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]ᵀ + bias: a decode step's linear layer (kernels/gemv.py)."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 

@@ -243,6 +243,17 @@ def _layer_ops(device: torch.device):
     return None
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's linear layer x [..., K] @ weight [N, K]ᵀ + bias: the GEMV kernel (kernels/gemv.py) for up
+    to its 16 rows of 16-bit floats, else torch (cuBLAS on a GPU)."""
+    if use_kernels(x.device) and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype:
+        from sparsekv.kernels import gemv
+
+        if x.numel() <= gemv.MAX_ROWS * x.shape[-1] and weight.stride(-1) == 1:
+            return gemv.linear(x, weight, bias)
+    return ref.linear_reference(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual)."""

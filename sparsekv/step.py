@@ -75,8 +75,8 @@ def split_supported(lm: LoadedModel) -> str | None:
 class SplitForward:
     """The decode-step forward of a Llama-family model written out, with the elementwise work fused (`sparsekv.ops`:
     a residual add with the next RMSNorm, RoPE of q and k, SiLU(gate) x up: one kernel each on a GPU, the eager
-    arithmetic elsewhere) and each layer's attention through `attend` (cache update, the method's select, the
-    sparse-decode call)."""
+    arithmetic elsewhere), the linear layers through `ops.linear` (a GEMV kernel for a step's few rows) and each
+    layer's attention through `attend` (cache update, the method's select, the sparse-decode call)."""
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
@@ -95,11 +95,11 @@ class SplitForward:
         shape = (*x.shape[:-1], -1, attn.head_dim)
         if self.qkv_w[i] is not None:
             w, b = self.qkv_w[i]
-            q, k, v = torch.nn.functional.linear(x, w, b).split([m.out_features for m in (
+            q, k, v = ops.linear(x, w, b).split([m.out_features for m in (
                 attn.q_proj, attn.k_proj, attn.v_proj)], dim=-1)
             q, k, v = q.view(shape), k.view(shape), v.view(shape)
         else:
-            q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+            q, k, v = (_linear(p, x).view(shape) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         if hasattr(attn, "q_norm"):  # qwen3 normalises q and k per head before RoPE
             q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)[0]
             k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)[0]
@@ -109,10 +109,10 @@ class SplitForward:
         m = self.layers[i].mlp
         if self.gate_up_w[i] is not None:
             w, b = self.gate_up_w[i]
-            gate, up = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
+            gate, up = ops.linear(x, w, b).chunk(2, dim=-1)
         else:
-            gate, up = m.gate_proj(x), m.up_proj(x)
-        return m.down_proj(ops.silu_mul(gate, up))
+            gate, up = _linear(m.gate_proj, x), _linear(m.up_proj, x)
+        return _linear(m.down_proj, ops.silu_mul(gate, up))
 
     def attend(self, i: int, cache: SparseCache, q_pre, k_pre, v, cos, sin) -> torch.Tensor:
         """Layer i's RoPE, cache update and attention (the method's select included) -> [B, 1, Hq * D]. With the
@@ -136,12 +136,12 @@ class SplitForward:
         for i, layer in enumerate(self.layers):
             ln = layer.input_layernorm
             x, h = ops.rms_norm(h if out is None else out, ln.weight, ln.variance_epsilon, None if out is None else h)
-            o = layer.self_attn.o_proj(self.attend(i, cache, *self.qkv(i, x), cos, sin))
+            o = _linear(layer.self_attn.o_proj, self.attend(i, cache, *self.qkv(i, x), cos, sin))
             ln = layer.post_attention_layernorm
             x, h = ops.rms_norm(o, ln.weight, ln.variance_epsilon, h)
             out = self.mlp(i, x)
         x, _ = ops.rms_norm(out, self.base.norm.weight, self.base.norm.variance_epsilon, h)
-        return self.causal.lm_head(x)[:, -1]
+        return _linear(self.causal.lm_head, x)[:, -1]
 
     @torch.no_grad()
     def step(self, cache: SparseCache, token: torch.Tensor, pos: int | list[int]) -> torch.Tensor:
@@ -149,6 +149,14 @@ class SplitForward:
         cache.begin_step(pos)
         token = token.view(-1, 1)
         return self.forward(cache, token, position_ids(pos, token.shape[0], token.device))
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer of the step through `ops.linear` (the GEMV kernel at a decode step's few rows); other modules
+    (quantised layers, adapters) as they are."""
+    if type(module) is torch.nn.Linear:
+        return ops.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 def _joined(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
