@@ -2,14 +2,15 @@
 
 Why: decoding reads every weight once per token, so each projection should stream its weight at copy bandwidth.
 cuBLAS's choices for 1-8 rows read Llama-3-8B's MLP and attention weights at ~2.5-2.8 TB/s on the H100 (the two
-4096-row outputs through a split-K pass and its reduction launch); this kernel reads them at ~2.9-3.0 (one launch,
-no split): 4-7 % of a decode step's time at long context, for every method alike.
+4096-row outputs through a split-K pass and its reduction launch); this kernel reads them at ~2.9 (one launch, no
+split): 3-7 % of a decode step's time at 32768-131072 tokens, for every method alike (benchmarks/BENCHMARKS.md).
 
 One program per BLOCK_N output rows: it streams W[rows, :] in BLOCK_K tiles (software-pipelined: STAGES tiles in
 flight) and multiplies each by the rows of x, padded to 16 columns for tl.dot (fp32 accumulate); x is read from L2.
 Each output row's sum runs in the same order whatever the number of rows, so a sequence decodes the same in any
 batch. Tiles per shape (`plan`) from an H100 sweep of BLOCK_N 16-64, BLOCK_K 128-512 and 3-5 stages on
-Llama-3-8B's projections at 1 and 8 rows (weights larger than the L2, as in a model).
+Llama-3-8B's projections at 1 and 8 rows (the 4096 x 4096 output projection fits the L2 in such a sweep, unlike in a
+model, so its choice is the least certain).
 
 Reference: kernels/reference.py::linear_reference (torch.nn.functional.linear).
 """
