@@ -7,8 +7,8 @@ import torch
 
 from sparsekv import ops
 from sparsekv.kernels.hash_mlp import mlp_hash_pack, mlp_hash_pack_into
-from sparsekv.kernels.reference import (mlp_hash_pack_into_reference, mlp_hash_pack_reference, mlp_hash_reference,
-                                        quantize_pack_reference)
+from sparsekv.kernels.reference import (PendingHash, mlp_hash_pack_into_reference, mlp_hash_pack_reference,
+                                        mlp_hash_reference, quantize_pack_reference)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -120,8 +120,6 @@ def test_step_keys_hashed_with_the_queries(hash_kind, split, B, G):
     """A decode step's new keys (PendingHash) hashed in the queries' launch: the same query words and the same key
     codes at each row's device slot as two separate calls; the codes' other slots untouched. The reference does
     the same."""
-    from sparsekv.kernels.reference import PendingHash
-
     Hkv, D = 2, 64
     w = _weights(Hkv, D, M=48, nbits=40, seed=B + G) if hash_kind == "mlp" else \
         [(torch.randn(Hkv, D, 40, generator=_gen(B)) / 8).to(DEV), None, None]

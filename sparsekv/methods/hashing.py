@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
 from sparsekv.kernels.reference import PendingHash
+
+from .. import ops
 from ..selection import Selection, code_selection, topk_selection
 from .base import CacheShape, LayerState, Method
 
@@ -41,8 +42,8 @@ class HashSelect(Method):
         raise NotImplementedError
 
     def append(self, state: HashState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos) -> None:
-        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer, packed; a decode step's key
-        (device positions) when the step selects (`select`)."""
+        """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer, packed. A decode step's key
+        (one a row, at device positions) is left pending: the step's select hashes it with the queries."""
         self.flush(state)
         if isinstance(pos, torch.Tensor) and k.shape[2] == 1:
             state.pending = PendingHash(k, state.codes, pos)
