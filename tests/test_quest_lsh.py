@@ -210,6 +210,31 @@ def test_lsh_incremental_codes_equal_scratch(nbits):
     assert torch.equal(st.codes[:, :, :77], scratch)
 
 
+@pytest.mark.parametrize("name", ["lsh", "spotlight"])
+def test_step_keys_hashed_by_the_select(name):
+    """A decode step's key (a device slot) is left pending by `append` and hashed by the step's `select`: alone while
+    the budget covers the context (a dense select), with the queries once it chooses; afterwards the codes equal
+    every key hashed at once."""
+    from sparsekv import ops
+    from sparsekv.methods.spotlight import untrained_hashes
+
+    keys = torch.randn(1, 2, 40, 16, generator=_gen(21))
+    q = torch.randn(1, 4, 1, 16, generator=_gen(22))
+    m = get_method(name, budget=30, **({"hashes": untrained_hashes(1, 2, 16, hidden=32)} if name == "spotlight"
+                                       else {}))
+    st = build(m, keys, [20], q_heads=4)
+    dense = []
+    for p in range(20, 40):  # the context outgrows the budget at 31 keys
+        st.keys[:, :, p] = keys[:, :, p]
+        st.length = p + 1
+        m.append(st, keys[:, :, p:p + 1], keys[:, :, p:p + 1], None, torch.tensor([p]))
+        assert st.pending is not None
+        dense.append(m.select(st, q, None).dense)
+        assert st.pending is None
+    assert dense[0] and not dense[-1]
+    assert torch.equal(st.codes[:, :, :40], ops.mlp_hash_pack(keys, *m.weights(st)))
+
+
 @pytest.mark.parametrize("pooling", ["group", "head"])
 def test_lsh_scores_are_negated_hamming(pooling):
     keys = torch.randn(1, 2, 60, 20, generator=_gen(9))
