@@ -635,7 +635,7 @@ def mlp_hash_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     return y.reshape(B, H, n, nbits)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingHash:
     """A decode step's key hash (mlp_hash_pack_into of k [B, Hkv, 1, D] into `codes` at device slots [B]) handed to
     the step's query hash, which carries it out first (the kernel: in the same launch)."""

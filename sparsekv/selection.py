@@ -71,11 +71,12 @@ class Selection:
     def selected_count(self) -> int | torch.Tensor:
         """n_selected without a host sync where the count lives on the device (a 0-dim tensor then)."""
         on_device = self.device_count()
-        if on_device is None:
-            return self.visible - self.sink - self.window if self.dense else \
-                self.indices.shape[-1] if self.has_sparse else 0
-        total, scale = on_device
-        return total.float() * scale if scale != 1 else total
+        if on_device is not None:
+            total, scale = on_device
+            return total.float() * scale if scale != 1 else total
+        if self.dense:
+            return self.visible - self.sink - self.window
+        return self.indices.shape[-1] if self.has_sparse else 0  # unpadded indices: their width
 
     def device_count(self) -> tuple[torch.Tensor, float] | None:
         """(0-dim tensor, scale) whose product is n_selected where the count lives on the device, else None (known
