@@ -537,6 +537,9 @@ def train_hash(
     holdout: Annotated[float, typer.Option(help="share of the dump's sequences held out for the IoU report")] = 0.1,
     heldout_queries: Annotated[int, typer.Option(help="held-out queries the IoU is measured on")] = 256,
     eval_every: Annotated[int, typer.Option(help="held-out IoU every N iterations (0: iters / 8)")] = 0,
+    patience: Annotated[int, typer.Option(help="stop after this many held-out evaluations without a higher IoU and "
+                                          "keep the best one's weights (0: train every iteration, keep the "
+                                          "last)")] = 2,
     checkpoint_every: CheckpointEveryOpt = 512,
     linear: Annotated[bool, typer.Option("--linear/--no-linear", help="also train the linear hash with the same "
                                          "loss, for the report (the paper's Table 1)")] = False,
@@ -560,7 +563,7 @@ def train_hash(
             data, out, resume=resume, progress=progress, layers=chosen or None, nbits=bits, hidden=hidden,
             iters=iters, keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr,
             queries_per_step=queries_per_step, negatives=negatives, pooling=pooling, holdout=holdout,
-            heldout_queries=heldout_queries, eval_every=eval_every or max(1, iters // 8),
+            heldout_queries=heldout_queries, eval_every=eval_every, patience=patience,
             checkpoint_every=checkpoint_every, linear=linear, seed=seed, device=dev)
     iou = report["iou"]
     cols = [k for k in ("linear_before", "linear_after", "mlp_before", "mlp_after") if k in iou["mean"]]
@@ -569,6 +572,10 @@ def train_hash(
     header = lambda c: c.replace("_", " ").replace("mlp", "spotlight").replace("linear", "lsh")
     console.print(_layer_table(t, iou["per_layer"], iou["mean"], {header(c): _cell(c) for c in cols}))
     _write_json(json_out, {"artifact": str(path), **report})
+    kept = report["train"].get("kept")
+    if kept is not None:
+        console.print(f"kept the weights of iteration {kept['step']} (held-out IoU {kept['value']:.3f})"
+                      + (": no higher one since" if report["train"]["stopped_early"] else ""))
     console.print(f"trained in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
 
 

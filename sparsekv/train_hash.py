@@ -27,6 +27,11 @@ Our choices where the paper is silent or where a dump differs:
   afresh every step (an unbiased estimate of the mean over all k(n - k) pairs; at 8192 keys, all pairs cost ~8x
   more per step); `negatives=0` takes every pair. Computed in chunks whose backward is recomputed (no
   k x n x heads tensor is kept);
+- the held-out IoU is measured every iters / 8 iterations; the run keeps the weights of its highest and stops after
+  `patience` (2) evaluations without a higher one (`patience=0`: every iteration and the last weights, as the
+  paper). The paper's 8192 iterations draw on 8192 sequences; a dump holds a few dozen, and on one of 32 x 8192
+  tokens of the default model the held-out IoU peaks after ~2000 iterations and then falls while the training loss
+  keeps falling (benchmarks/BENCHMARKS.md, "train-hash"), as SAAP's query model does (`sparsekv index`);
 - the training report gives IoU with the exact top-k on held-out sequences of the dump before and after training,
   per layer and head (the paper's Table 1 IoU and its Figure 10), beside the linear hash (`lsh`: angular LSH with
   the same bits, Appendix A.5) untrained and, with `linear=True`, trained with the same loss (Table 1's "Linear
@@ -204,8 +209,8 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
                  arch: str = "mlp", iters: int = 8192, keep: float = 0.02, gamma: float = 64.0, alpha: float = 3.0,
                  beta: float = 1.0, pooling: str = "group", queries_per_step: int = 64, negatives: int = 1024,
                  lr: float = 1e-3,
-                 holdout: float = 0.1, heldout_queries: int = 256, eval_every: int = 0, checkpoint_every: int = 512,
-                 linear: bool = False, seed: int = 0, device: str | torch.device = "cpu",
+                 holdout: float = 0.1, heldout_queries: int = 256, eval_every: int = 0, patience: int = 2,
+                 checkpoint_every: int = 512, linear: bool = False, seed: int = 0, device: str | torch.device = "cpu",
                  work: str | Path | None = None, resume: bool = False, progress: Any = None
                  ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Fit the hashes of `layers` (default: all) to the dump; returns (tensors, config, report): tensors w1 [L, Hkv,
@@ -222,7 +227,9 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     if queries_per_step < 1 or heldout_queries < 1 or negatives < 0:
         raise SparseKVError("--queries-per-step and --heldout-queries must be >= 1, --negatives >= 0")
     layers = fit_layers(layers, acts.num_layers)
-    cfg = TrainConfig(iters=iters, lr=lr, checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
+    cfg = TrainConfig(iters=iters, lr=lr, checkpoint_every=checkpoint_every, seed=seed,
+                      eval_every=eval_every or max(1, iters // 8), best_by="iou" if patience else "",
+                      best_mode="max", patience=patience)
     cfg.check()
     t0 = time.perf_counter()
     tick = Ticker(progress, len(layers), "load dump")
@@ -239,7 +246,8 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
               "code": "bit i = 1[MLP(x)_i > 0], 16 bits per int16 word (bit i of word i // 16 at position i % 16)",
               "train": {"iters": iters, "lr": lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
                         "optimizer": cfg.optimizer, "betas": list(cfg.betas), "weight_decay": cfg.weight_decay,
-                        "clip": cfg.clip, "seed": seed, "holdout": holdout}}
+                        "clip": cfg.clip, "seed": seed, "holdout": holdout, "eval_every": cfg.eval_every,
+                        "patience": patience, "kept": "highest held-out iou" if cfg.best_by else "last"}}
     model = HashModel(L, Hkv, D, hidden, nbits, seed=seed).to(device)
     iou_before = obj.heads_iou(model, held)
     lsh = HashModel(L, Hkv, D, arch="linear", init_linear=_lsh_planes(layers, Hkv, D, nbits, seed)).to(device)

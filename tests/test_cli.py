@@ -247,8 +247,11 @@ def test_learned_stages_write_artifacts_their_methods_run(inputs, tmp_path):
     r = sparsekv("index", *small, "--clusters", "4", "--hidden", "16", "--json", str(tmp_path / "ix.json"))
     assert r.returncode == 0, r.stderr
     th, ix = (json.loads((tmp_path / f).read_text()) for f in ("th.json", "ix.json"))
-    assert th["train"]["steps"] == 4 and set(th["iou"]["mean"]) == {"mlp_before", "mlp_after", "linear_before"}
-    # the index evaluates every iteration here (iters / 16 < 1) and keeps its best one: 2 worse ones in a row stop it
+    # both stages evaluate every iteration here (iters / 8 and iters / 16 < 1) and keep their best one: 2 worse ones
+    # in a row stop them
+    assert 2 < th["train"]["steps"] <= 4 and set(th["iou"]["mean"]) == {"mlp_before", "mlp_after", "linear_before"}
+    kept = th["train"]["kept"]
+    assert kept["by"] == "iou" and kept["value"] == max(m["iou"] for _, m in th["train"]["heldout_curve"])
     assert ix["clusters"]["used"] == 4 and 2 < ix["train"]["steps"] <= 4 and "imbalance" in ix["buckets"]
     kept = ix["train"]["kept"]
     assert kept["by"] == "kl" and kept["value"] == min(m["kl"] for _, m in ix["train"]["heldout_curve"])

@@ -111,6 +111,22 @@ def test_training_finds_the_known_answer():
     assert [s for s, _ in report["train"]["heldout_curve"]] == [40, 80]
 
 
+def test_training_keeps_its_best_evaluation_unless_patience_is_zero():
+    """By default train-hash ends with the weights of its highest held-out IoU and stops after two evaluations
+    without a higher one; patience 0 runs every iteration and keeps the last weights, as the paper."""
+    opts = dict(iters=12, hidden=32, nbits=32, keep=16 / 128, lr=3e-2, queries_per_step=8, holdout=0.34,
+                eval_every=1)
+    _, config, report = train_hashes(ClusteredDump(), **opts)
+    run, curve = report["train"], report["train"]["heldout_curve"]
+    assert config["train"]["kept"] == "highest held-out iou" and run["kept"]["by"] == "iou"
+    best = max(range(len(curve)), key=lambda i: (curve[i][1]["iou"], -i))  # the first of equals
+    assert run["kept"]["step"] == curve[best][0] and run["kept"]["value"] == curve[best][1]["iou"]
+    assert report["iou"]["mean"]["mlp_after"] == pytest.approx(run["kept"]["value"], abs=1e-4)  # the weights kept
+    assert run["stopped_early"] and run["steps"] == curve[best][0] + 2 < 12  # here it peaks, then falls twice
+    _, config, report = train_hashes(ClusteredDump(), patience=0, **opts)
+    assert config["train"]["kept"] == "last" and "kept" not in report["train"] and report["train"]["steps"] == 12
+
+
 def test_resume_continues_to_the_same_weights(tmp_path):
     acts = ClusteredDump(seqs=3)
     data = DumpExamples(acts, [0, 1], holdout=0.0)
@@ -167,7 +183,7 @@ def test_fit_hashes_writes_an_artifact_spotlight_loads(tiny, tmp_path):
     tokens = torch.randint(0, 256, (3 * 64,), generator=torch.Generator().manual_seed(2)).tolist()
     acts = load_activations(dump_activations(tiny, tokens, tmp_path / "acts", seq_len=64, queries_per_seq=16))
     path, report = fit_hashes(acts, tmp_path / "art", iters=6, hidden=32, nbits=32, queries_per_step=8,
-                              checkpoint_every=2)
+                              checkpoint_every=2, patience=0)
     assert path.parent.name == "spotlight" and not list(path.parent.glob(".train-*"))  # checkpoints gone
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["config"]["nbits"] == 32 and manifest["report"]["train"]["steps"] == 6
