@@ -34,7 +34,7 @@ PY
 niah=(--task ruler --subtasks niah --seq 4096,8192 --n 13 --haystack-file "$work/heldout.txt" --batch 8)
 
 if [[ " $parts " == *" spotlight "* ]]; then
-    $sk dump --text-file "$work/train.txt" --tokens 65536 --seq 8192 --queries 256 --out "$work/acts"
+    $sk dump --text-file "$work/train.txt" --tokens 262144 --seq 8192 --queries 1024 --out "$work/acts"
     $sk train-hash --acts "$work/acts" --out "$work/art" --json "$out/train-hash-smollm2-jargon-$tag.json"
     spot=$(echo "$work"/art/*/spotlight/v1)
     $sk dump --text-file "$work/heldout.txt" --tokens 16384 --seq 8192 --queries 32 --device cpu --out "$work/held"
