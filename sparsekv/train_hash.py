@@ -31,7 +31,8 @@ Our choices where the paper is silent or where a dump differs:
   `patience` (2) evaluations without a higher one (`patience=0`: every iteration and the last weights, as the
   paper). The paper's 8192 iterations draw on 8192 sequences; a dump holds a few dozen, and on one of 32 x 8192
   tokens of the default model the held-out IoU peaks after ~2000 iterations and then falls while the training loss
-  keeps falling (benchmarks/BENCHMARKS.md, "train-hash"), as SAAP's query model does (`sparsekv index`);
+  keeps falling (benchmarks/BENCHMARKS.md, "A larger dump and the best held-out weights"), as SAAP's query model
+  does (`sparsekv index`);
 - the training report gives IoU with the exact top-k on held-out sequences of the dump before and after training,
   per layer and head (the paper's Table 1 IoU and its Figure 10), beside the linear hash (`lsh`: angular LSH with
   the same bits, Appendix A.5) untrained and, with `linear=True`, trained with the same loss (Table 1's "Linear
