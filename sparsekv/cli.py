@@ -513,6 +513,14 @@ def _resumable(command: str):
         raise
 
 
+def _print_kept(train: dict, metric: str) -> None:
+    """Which iteration's weights a learned stage kept (`--patience`), and whether it stopped before its last."""
+    kept = train.get("kept")
+    if kept is not None:
+        console.print(f"kept the weights of iteration {kept['step']} (held-out {metric} {kept['value']:.3f})"
+                      + ("; stopped early: no better one since" if train.get("stopped_early") else ""))
+
+
 @app.command("train-hash")
 def train_hash(
     acts: ActsOpt,
@@ -572,10 +580,7 @@ def train_hash(
     header = lambda c: c.replace("_", " ").replace("mlp", "spotlight").replace("linear", "lsh")
     console.print(_layer_table(t, iou["per_layer"], iou["mean"], {header(c): _cell(c) for c in cols}))
     _write_json(json_out, {"artifact": str(path), **report})
-    kept = report["train"].get("kept")
-    if kept is not None:
-        console.print(f"kept the weights of iteration {kept['step']} (held-out IoU {kept['value']:.3f})"
-                      + (": no higher one since" if report["train"]["stopped_early"] else ""))
+    _print_kept(report["train"], "IoU")
     console.print(f"trained in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
 
 
@@ -650,6 +655,7 @@ def index(
     imb = b["imbalance"]
     console.print(f"bucket imbalance factor (held-out keys): mean {imb['mean']:.2f}, max {imb['max']:.2f}")
     _write_json(json_out, {"artifact": str(path), **report})
+    _print_kept(report.get("train", {}), "KL")
     console.print(f"indexed in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
 
 

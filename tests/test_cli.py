@@ -243,9 +243,9 @@ def test_learned_stages_write_artifacts_their_methods_run(inputs, tmp_path):
     """train-hash and index on a tiny dump: an artifact each (the checkpoints gone), and recall runs the methods."""
     small = ["--acts", str(inputs / "dump"), "--out", str(tmp_path / "art"), "--iters", "4", "--queries-per-step", "4"]
     r = sparsekv("train-hash", *small, "--bits", "32", "--hidden", "32", "--json", str(tmp_path / "th.json"))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "kept the weights of iteration" in r.stdout, r.stderr
     r = sparsekv("index", *small, "--clusters", "4", "--hidden", "16", "--json", str(tmp_path / "ix.json"))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "kept the weights of iteration" in r.stdout, r.stderr
     th, ix = (json.loads((tmp_path / f).read_text()) for f in ("th.json", "ix.json"))
     # both stages evaluate every iteration here (iters / 8 and iters / 16 < 1) and keep their best one: 2 worse ones
     # in a row stop them
