@@ -5,7 +5,8 @@ quantize_pack(_into)  Hadamard transform + bucketize + pack, fused: one program 
                       output column w·PW2 + i is dimension w·PW + i (PW codes per word, PW2 its next power of two,
                       padded columns zero). The fp32 result, reshaped [rows, words, PW2], is compared with the
                       thresholds and each code shifted to bit `bits·i` and summed: the words come out of registers
-                      with no intermediate tensor in memory. Keys are written straight into the cache state.
+                      with no intermediate tensor in memory. Keys are written straight into the cache state; a
+                      decode step's key rides in its query's launch (`append`: programs past the query rows).
 code_distance         Σ_dims |qc - kc| (or (qc - kc)²) of each query's codes against the first `length` keys' codes.
 code_scores           the same, negated (higher = closer) in fp16/fp32 for the shared top-k, optionally pooled over
                       the GQA group, so the selection needs no separate pooling pass.
@@ -50,7 +51,7 @@ import triton.language as tl
 
 from . import count_select
 from .hadamard import _prec, hadamard_signs
-from .reference import RowBounds, _per_word, hadamard_matrix
+from .reference import PendingCodes, RowBounds, _per_word, hadamard_matrix
 from .region import window_first
 
 _POOLS = {None: 0, "sum": 1, "min": 2}
@@ -63,10 +64,12 @@ _POOLS = {None: 0, "sum": 1, "min": 2}
 @triton.jit
 def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, START, scale,
                           stride_xb, stride_xh, stride_xn, stride_ob, stride_oh, stride_on, stride_th,
+                          KX, KTH, KOUT, KSLOT, BH, HK, krep, stride_kxb, stride_kxh, stride_kob, stride_koh,
+                          stride_kon, stride_kth,
                           D: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
                           PW2: tl.constexpr, T: tl.constexpr, TRANSFORM: tl.constexpr, PREC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_WC: tl.constexpr,
-                          N_WC: tl.constexpr, ROW_START: tl.constexpr = False):
+                          N_WC: tl.constexpr, ROW_START: tl.constexpr = False, WITH_KEYS: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -78,6 +81,13 @@ def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, START, scale,
         start = tl.load(START + b).to(tl.int64)
     o_base = OUT + b * stride_ob + h * stride_oh + start * stride_on
     th_base = TH + (h // rep) * stride_th
+    if WITH_KEYS:  # the programs past the BH query rows code a decode step's key each (one row) into its cache slot
+        if bh >= BH:
+            kb = (bh - BH) // HK
+            kh = (bh - BH) % HK
+            x_base = KX + kb * stride_kxb + kh * stride_kxh
+            o_base = KOUT + kb * stride_kob + kh * stride_koh + tl.load(KSLOT + kb).to(tl.int64) * stride_kon
+            th_base = KTH + (kh // krep) * stride_kth
     slot = tl.arange(0, PW2)
     if TRANSFORM:
         dd = tl.arange(0, BLOCK_D)
@@ -146,9 +156,23 @@ def _thresholds(thresholds: torch.Tensor, H: int, bits: int, device) -> tuple[to
     return th, th.stride(0), H // th.shape[0]
 
 
+def _check_words(out_words: torch.Tensor, B: int, H: int, W: int, what: str) -> None:
+    if (out_words.dtype != torch.int16 or out_words.dim() != 4 or tuple(out_words.shape[:2]) != (B, H)
+            or out_words.shape[3] != W or out_words.stride(-1) != 1):
+        raise ValueError(f"{what} must be int16 [{B}, {H}, Lmax, {W}] with contiguous words, "
+                         f"got {out_words.dtype} {tuple(out_words.shape)}")
+
+
+def _check_x(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"{what} must be [B, H, n, D], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+
+
 def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor, start: int | torch.Tensor,
                        bits: int = 2, transform: bool = True, *, block_m: int | None = None,
-                       num_warps: int = 4) -> None:
+                       num_warps: int = 4, append: PendingCodes | None = None) -> None:
     """Codes of x [B, H, n, D] (Hadamard first if `transform`) packed into out_words[:, :, start:start + n] in place.
     `start`: an int, or a device tensor [B] of each row's first position (not range-checked: no host read).
 
@@ -156,52 +180,69 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
     ascending per head, [Ht, 2^bits - 1] with H % Ht == 0 (head h uses row h // (H // Ht)), or shared [2^bits - 1];
     ±inf allowed. Same codes as code_pack_reference(code_bucketize_reference(hadamard_reference(x)...)), up to
     values within float rounding of a threshold.
+    `append` (x one row, n = 1): a decode step's keys [B, Hkv, 1, D], coded into their buffer at their device slots
+    in the same launch (extra programs), as quantize_pack_into(append.k, append.thresholds, append.codes,
+    append.slots) would.
     """
-    if x.dim() != 4:
-        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    _check_x(x, "x")
     B, H, n, D = x.shape
     PW, PW2, W, BLOCK_WC, N_WC = _layout(D, bits)
-    if (out_words.dtype != torch.int16 or out_words.dim() != 4 or tuple(out_words.shape[:2]) != (B, H)
-            or out_words.shape[3] != W or out_words.stride(-1) != 1):
-        raise ValueError(f"out_words must be int16 [{B}, {H}, Lmax, {W}] with contiguous words, "
-                         f"got {out_words.dtype} {tuple(out_words.shape)}")
+    _check_words(out_words, B, H, W, "out_words")
     row_start = isinstance(start, torch.Tensor)
     if row_start and (start.shape != (B,) or start.device != x.device):
         raise ValueError(f"start must be an int or a tensor [{B}] on {x.device}, got {tuple(start.shape)}")
     if not row_start and (not 0 <= start or start + n > out_words.shape[2]):
         raise ValueError(f"positions [{start}, {start + n}) do not fit out_words of length {out_words.shape[2]}")
     if n == 0:
+        if append is not None:
+            quantize_pack_into(append.k, append.thresholds, append.codes, append.slots, bits, transform)
         return
     th, stride_th, rep = _thresholds(thresholds, H, bits, x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    keys = (x, th, out_words, th, 0, 1, 1) + (0,) * 6  # unread placeholders without `append`
+    HK = 0
+    if append is not None:
+        k = append.k
+        _check_x(k, "append.k")
+        HK = k.shape[1]
+        if n != 1 or row_start or k.shape[0] != B or k.shape[2:] != (1, D) or k.dtype != x.dtype:
+            raise ValueError(f"append: keys [{B}, Hkv, 1, {D}] of x's dtype beside one row of x written at an int "
+                             f"position, got {tuple(k.shape)} {k.dtype} beside x {tuple(x.shape)}")
+        _check_words(append.codes, B, HK, W, "append.codes")
+        if append.slots.shape != (B,) or append.slots.device != x.device:
+            raise ValueError(f"append.slots must be a tensor [{B}] on {x.device}, got {tuple(append.slots.shape)}")
+        kth, stride_kth, krep = _thresholds(append.thresholds, HK, bits, x.device)
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        c = append.codes
+        keys = (k, kth, c, append.slots, B * H, HK, krep, k.stride(0), k.stride(1), c.stride(0), c.stride(1),
+                c.stride(2), stride_kth)
     if transform:
         hadamard_matrix(D)  # ValueError for unsupported dims
         S = _permuted_signs(D, bits, x.dtype, x.device)
     else:
         S = th  # unused
     BLOCK_M = block_m or (64 if n >= 64 else 16)
-    grid = (triton.cdiv(n, BLOCK_M), B * H)
+    grid = (triton.cdiv(n, BLOCK_M), B * (H + HK))
     _quantize_pack_kernel[grid](
         x, S, th, out_words, n, H, rep, 0 if row_start else start, start if row_start else th, D ** -0.5,
         x.stride(0), x.stride(1), x.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
-        stride_th,
+        stride_th, *keys,
         D=D, W=W, BITS=bits, PW=PW, PW2=PW2, T=(1 << bits) - 1, TRANSFORM=transform, PREC=_prec(x.dtype),
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_WC=BLOCK_WC, N_WC=N_WC,
-        ROW_START=row_start, num_warps=num_warps,
+        ROW_START=row_start, WITH_KEYS=append is not None, num_warps=num_warps,
     )
 
 
 def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True,
-                  **tuning) -> torch.Tensor:
-    """Fused (Hadamard if `transform`) + bucketize + pack: x [B, H, n, D] -> int16 words [B, H, n, W]."""
-    if x.dim() != 4:
-        raise ValueError(f"x must be [B, H, n, D], got {tuple(x.shape)}")
+                  append: PendingCodes | None = None, **tuning) -> torch.Tensor:
+    """Fused (Hadamard if `transform`) + bucketize + pack: x [B, H, n, D] -> int16 words [B, H, n, W]. `append`: a
+    decode step's keys coded into their cache buffer in the same launch (quantize_pack_into)."""
+    _check_x(x, "x")
     B, H, n, D = x.shape
     out = torch.empty(B, H, n, triton.cdiv(D, _per_word(bits)), dtype=torch.int16, device=x.device)
-    quantize_pack_into(x, thresholds, out, 0, bits=bits, transform=transform, **tuning)
+    quantize_pack_into(x, thresholds, out, 0, bits=bits, transform=transform, append=append, **tuning)
     return out
 
 

@@ -369,10 +369,23 @@ def adamas_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: 
     return torch.einsum("bhld,bhgd->bhgl", levels, qg).reshape(B, Hq, -1)
 
 
+@dataclass(frozen=True)
+class PendingCodes:
+    """A decode step's key codes (quantize_pack_into of k [B, Hkv, 1, D] with its thresholds into `codes` at device
+    slots [B]) handed to the step's query coding, which carries it out first (the kernel: in the same launch)."""
+
+    k: torch.Tensor
+    thresholds: torch.Tensor
+    codes: torch.Tensor
+    slots: torch.Tensor
+
+
 def quantize_pack_reference(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2,
-                            transform: bool = True) -> torch.Tensor:
+                            transform: bool = True, append: PendingCodes | None = None) -> torch.Tensor:
     """(Hadamard if `transform`) + bucketize + pack: x [B, H, n, D] -> int16 words [B, H, n, W] (fp32 maths).
-    Contract of `codes.quantize_pack`."""
+    `append`: a decode step's keys, coded into their buffer first. Contract of `codes.quantize_pack`."""
+    if append is not None:
+        quantize_pack_into_reference(append.k, append.thresholds, append.codes, append.slots, bits, transform)
     x = x.float()
     if transform:
         x = x @ hadamard_matrix(x.shape[-1], torch.float32, x.device)

@@ -125,13 +125,15 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return ref.topk_reference(scores, k)
 
 
-def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True) -> torch.Tensor:
-    """Codes of x [B, H, n, D] (Hadamard first if `transform`), packed: int16 [B, H, n, W] (kernels/codes.py)."""
+def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True,
+                  append: ref.PendingCodes | None = None) -> torch.Tensor:
+    """Codes of x [B, H, n, D] (Hadamard first if `transform`), packed: int16 [B, H, n, W] (kernels/codes.py).
+    `append`: a decode step's new keys, coded into their buffer first (in the same launch)."""
     if use_kernels(x.device):
         from sparsekv.kernels.codes import quantize_pack as kernel
 
-        return kernel(x, thresholds, bits=bits, transform=transform)
-    return ref.quantize_pack_reference(x, thresholds, bits, transform)
+        return kernel(x, thresholds, bits=bits, transform=transform, append=append)
+    return ref.quantize_pack_reference(x, thresholds, bits, transform, append)
 
 
 def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: torch.Tensor,

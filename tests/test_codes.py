@@ -224,6 +224,32 @@ def test_quantize_pack_by_hand():
     assert words.view(-1).tolist() == [word0 - 65536 if word0 >= 32768 else word0, 3]
 
 
+@pytest.mark.parametrize("transform,gqa,dtype", [(True, 4, torch.float32), (True, 1, torch.float16),
+                                                 (False, 2, torch.float32)])
+def test_quantize_pack_codes_a_pending_key_in_the_same_launch(transform, gqa, dtype):
+    """quantize_pack(q, ..., append=PendingCodes(k, k thresholds, codes, slots)) = quantize_pack_into(k, ...) at the
+    slots, then quantize_pack(q, ...): kernel and reference, every other slot untouched; a bad append is refused."""
+    from sparsekv.kernels.reference import PendingCodes, quantize_pack_reference
+
+    B, Hkv, Lmax, D, bits = 2, 2, 24, 64, 2
+    W = -(-D // PER_WORD[bits])
+    q = torch.randn(B, Hkv * gqa, 1, D, generator=_gen(31)).to(DEV, dtype)
+    k = torch.randn(B, Hkv, 1, D, generator=_gen(32)).to(DEV, dtype)
+    q_th, k_th = _thresholds(bits, Hkv, seed=33).to(DEV), _thresholds(bits, Hkv, seed=34, scale=0.4).to(DEV)
+    slots = torch.tensor([17, 5], dtype=torch.int32, device=DEV)
+    before = torch.full((B, Hkv, Lmax, W), 321, dtype=torch.int16, device=DEV)
+    want = before.clone()
+    quantize_pack_into(k, k_th, want, slots, bits=bits, transform=transform)
+    for fn in (quantize_pack, quantize_pack_reference):
+        got = before.clone()
+        words = fn(q, q_th, bits, transform, append=PendingCodes(k, k_th, got, slots))
+        assert torch.equal(words, quantize_pack(q, q_th, bits, transform)) and torch.equal(got, want), fn.__name__
+    with pytest.raises(ValueError, match="append.slots"):
+        quantize_pack(q, q_th, bits, transform, append=PendingCodes(k, k_th, before, slots[:1]))
+    with pytest.raises(ValueError, match="append: keys"):
+        quantize_pack(q.expand(B, -1, 2, D), q_th, bits, transform, append=PendingCodes(k, k_th, before, slots))
+
+
 @pytest.mark.parametrize("bits", [2, 3])
 def test_quantize_pack_into_writes_only_its_slots(bits):
     B, H, Lmax, D = 2, 3, 40, 64

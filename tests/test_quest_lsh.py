@@ -210,11 +210,11 @@ def test_lsh_incremental_codes_equal_scratch(nbits):
     assert torch.equal(st.codes[:, :, :77], scratch)
 
 
-@pytest.mark.parametrize("name", ["lsh", "spotlight"])
-def test_step_keys_hashed_by_the_select(name):
-    """A decode step's key (a device slot) is left pending by `append` and hashed by the step's `select`: alone while
-    the budget covers the context (a dense select), with the queries once it chooses; afterwards the codes equal
-    every key hashed at once."""
+@pytest.mark.parametrize("name", ["lsh", "spotlight", "adamas"])
+def test_step_keys_coded_by_the_select(name):
+    """A decode step's key (a device slot) is left pending by `append` and hashed (adamas: coded) by the step's
+    `select`: alone while the budget covers the context (a dense select), with the queries once it chooses;
+    afterwards the codes equal every key coded at once."""
     from sparsekv import ops
     from sparsekv.methods.spotlight import untrained_hashes
 
@@ -232,7 +232,9 @@ def test_step_keys_hashed_by_the_select(name):
         dense.append(m.select(st, q, None).dense)
         assert st.pending is None
     assert dense[0] and not dense[-1]
-    assert torch.equal(st.codes[:, :, :40], ops.mlp_hash_pack(keys, *m.weights(st)))
+    at_once = ops.quantize_pack(keys, st.thresholds, bits=m.bits) if name == "adamas" else \
+        ops.mlp_hash_pack(keys, *m.weights(st))
+    assert torch.equal(st.codes[:, :, :40], at_once)
 
 
 @pytest.mark.parametrize("pooling", ["group", "head"])

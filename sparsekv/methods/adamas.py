@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
-from sparsekv.kernels.reference import (adamas_bucket_centers, code_pack_reference, hadamard_matrix,
+from sparsekv.kernels.reference import (PendingCodes, adamas_bucket_centers, code_pack_reference, hadamard_matrix,
                                         quantize_pack_reference)
 
 from .. import ops
@@ -138,15 +138,26 @@ class Adamas(Method):
         return AdamasState(codes=codes, thresholds=thr.contiguous(), q_thresholds=q_thr.contiguous(),
                            centers=adamas_bucket_centers(thr).contiguous())
 
-    def append(self, state: AdamasState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos: int) -> None:
-        """Lines 1-4 for keys [B, Hkv, n, D] at positions [pos, pos + n): their codes go into the cache."""
-        ops.quantize_pack_into(k, state.thresholds, state.codes, pos, bits=self.bits, transform=self.hadamard)
+    def append(self, state: AdamasState, k: torch.Tensor, v: torch.Tensor, k_pre_rope, pos) -> None:
+        """Lines 1-4 for keys [B, Hkv, n, D] at positions [pos, pos + n): their codes go into the cache. A decode
+        step's key (one a row, at device positions) is left pending: the step's select codes it with the query, in
+        the same launch."""
+        self.flush(state)
+        if isinstance(pos, torch.Tensor) and k.shape[2] == 1:
+            state.pending = PendingCodes(k, state.thresholds, state.codes, pos)
+        else:
+            ops.quantize_pack_into(k, state.thresholds, state.codes, pos, bits=self.bits, transform=self.hadamard)
+
+    def carry_out(self, state: AdamasState, a: PendingCodes) -> None:
+        """Code a pending decode-step key on its own (one launch)."""
+        ops.quantize_pack_into(a.k, a.thresholds, a.codes, a.slots, bits=self.bits, transform=self.hadamard)
 
     def select(self, state: AdamasState, q: torch.Tensor, q_pre_rope) -> Selection:
         """Lines 1-3 for the query (its group's query thresholds), line 5 against keys [start + sink, length -
         window), top-k."""
         split = self.split(state)
         if split.dense:
+            self.flush(state)
             return split.selection()
         if self.rerank == 1:
             return self.select_by_codes(state, q, split)
@@ -159,8 +170,10 @@ class Adamas(Method):
         D = q.shape[-1]
         lo, hi = split.lo, split.hi
         if self.distance == "ip":
+            self.flush(state)
             return topk_selection(self.ip_scores(state, q, lo, hi), split)
-        q_words = ops.quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard)
+        q_words = ops.quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard,
+                                    append=self.take_pending(state))
         sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split)
         if sel is not None:  # distances and their top-k by counting
             return sel

@@ -9,9 +9,10 @@ every token (sparsekv/step.py):
 - never read a device value on the host (no `.item()`, `int(tensor)`, `.tolist()`, data-dependent shapes, Python
   branches on tensor values);
 - in a decode step, `append` gets the write slots as a device tensor [B] (`write_at` takes both forms); it may
-  leave its work pending for the step's `select` to do in the launch that scores the query (`spotlight` / `lsh`
-  hash the new key with the queries, `saap` files it with the query model's logits): every decode step of a layer
-  that indexes selects after it appends, and a select that reads every key, or the next append, does it alone;
+  leave its work in `state.pending` for the step's `select` to do in the launch that scores the query (`spotlight`
+  / `lsh` hash the new key with the queries, `adamas` codes it with them, `saap` files it with the query model's
+  logits; `take_pending` hands it over): every decode step of a layer that indexes selects after it appends, and a
+  select that reads every key, or the next append, does it alone (`flush`, through the method's `carry_out`);
 - decide on the host only what stays fixed while the context grows past the budget: `split` (dense or not, k, sink,
   window) does; the region the sparse part comes from is `BudgetSplit.lo/hi`, exact in an eager step, sized to the
   cache in a captured one, with `BudgetSplit.keep` / `masked` marking on the device the positions of this step;
@@ -70,6 +71,8 @@ class LayerState:
     # what a fractional budget is a fraction of for a whole generation (the keys the layer saw after the prompt),
     # so k stays fixed while it decodes; None: the keys it sees now
     budget_context: int | None = None
+    # a decode step's append a method left for the step's select to carry out in its own launch (`Method.flush`)
+    pending: Any = None
 
     @property
     def start(self) -> int:
@@ -159,6 +162,24 @@ class Method:
 
     def select(self, state: LayerState, q: torch.Tensor, q_pre_rope: torch.Tensor | None) -> Selection:
         raise NotImplementedError
+
+    # -- a decode step's append left pending (module docstring) ------------------------------------------------
+    def flush(self, state: LayerState) -> None:
+        """Carry out the append left in `state.pending` on its own (one launch): the next append and a select that
+        does not take it call this first."""
+        pending = self.take_pending(state)
+        if pending is not None:
+            self.carry_out(state, pending)
+
+    def carry_out(self, state: LayerState, pending: Any) -> None:
+        """Do the work of a pending append alone: methods that leave one implement this."""
+        raise NotImplementedError(f"{self.name} leaves no append pending")
+
+    @staticmethod
+    def take_pending(state: LayerState) -> Any:
+        """The pending append, cleared from the state: for the launch that carries it out with the select's work."""
+        pending, state.pending = state.pending, None
+        return pending
 
     # -- shared helpers --------------------------------------------------------------------------------------
     def split(self, state: LayerState) -> BudgetSplit:

@@ -20,7 +20,6 @@ from .base import CacheShape, LayerState, Method
 @dataclass
 class HashState(LayerState):
     codes: torch.Tensor | None = None  # int16 [B, Hkv, max_len, ceil(nbits / 16)]: key hashes, valid up to length
-    pending: PendingHash | None = None  # a decode step's key hash, carried out by the step's query hash
 
 
 class HashSelect(Method):
@@ -50,17 +49,14 @@ class HashSelect(Method):
         else:
             ops.mlp_hash_pack_into(k, *self.weights(state), state.codes, pos)
 
-    def flush(self, state: HashState) -> None:
+    def carry_out(self, state: HashState, a: PendingHash) -> None:
         """Hash a pending decode-step key on its own (one launch)."""
-        a, state.pending = state.pending, None
-        if a is not None:
-            ops.mlp_hash_pack_into(a.k, *self.weights(state), a.codes, a.slots)
+        ops.mlp_hash_pack_into(a.k, *self.weights(state), a.codes, a.slots)
 
     def query_words(self, state: HashState, q: torch.Tensor) -> torch.Tensor:
         """The queries' packed sign bits [B, Hq, 1, W], each query head through its KV head's hash; the pending key
         is hashed in the same launch."""
-        a, state.pending = state.pending, None
-        return ops.mlp_hash_pack(q, *self.weights(state), append=a)
+        return ops.mlp_hash_pack(q, *self.weights(state), append=self.take_pending(state))
 
     def select(self, state: HashState, q: torch.Tensor, q_pre_rope) -> Selection:
         split = self.split(state)

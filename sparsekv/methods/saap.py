@@ -70,7 +70,6 @@ class SaapState(LayerState):
     ordinals: torch.Tensor | None = None  # int32 [B, Hkv, max_len]
     counts: torch.Tensor | None = None  # int32 [B, Hkv, C + 1]
     layer: int = -1
-    pending: PendingAppend | None = None  # a decode step's append, carried out by the step's select
 
 
 @register
@@ -185,12 +184,10 @@ class Saap(Method):
             state.pending = PendingAppend(state.buckets, state.ordinals, state.counts, x, pos, self.sink,
                                           self.window, self._newest)
 
-    def flush(self, state: SaapState) -> None:
-        """Carry out a pending decode-step append on its own (one launch)."""
-        a, state.pending = state.pending, None
-        if a is not None:
-            ops.saap_append(a.buckets, a.ordinals, a.counts, state.centroids, a.k, a.pos, a.sink, a.window,
-                            a.newest_first)
+    def carry_out(self, state: SaapState, a: PendingAppend) -> None:
+        """A pending decode-step append on its own (one launch)."""
+        ops.saap_append(a.buckets, a.ordinals, a.counts, state.centroids, a.k, a.pos, a.sink, a.window,
+                        a.newest_first)
 
     def select(self, state: SaapState, q: torch.Tensor, q_pre_rope) -> Selection:
         """The step's appended key (pending since `append`) is indexed by the logits' launch: it runs beside the
@@ -202,8 +199,7 @@ class Saap(Method):
             return split.selection()
         x = self._indexed(state, q_pre_rope if self.space == "pre" else q, "queries")
         group = x.shape[1] // state.centroids.shape[0] if self.pooling is Pooling.GROUP else 1
-        scores = ops.bucket_logits(x, state.centroids, state.model, append=state.pending)  # [B, Hq, C]
-        state.pending = None
+        scores = ops.bucket_logits(x, state.centroids, state.model, append=self.take_pending(state))  # [B, Hq, C]
         pos, count = ops.bucket_select(scores, state.counts, state.buckets, state.ordinals, self.probes, group,
                                        state.model is not None, self._newest, split.k, split.lo, split.hi,
                                        split.bounds())
