@@ -228,8 +228,9 @@ def test_quantize_pack_by_hand():
                                                  (False, 2, torch.float32)])
 def test_quantize_pack_codes_a_pending_key_in_the_same_launch(transform, gqa, dtype):
     """quantize_pack(q, ..., append=PendingCodes(k, k thresholds, codes, slots)) = quantize_pack_into(k, ...) at the
-    slots, then quantize_pack(q, ...): kernel and reference, every other slot untouched; a bad append is refused."""
-    from sparsekv.kernels.reference import PendingCodes, quantize_pack_reference
+    slots, then quantize_pack(q, ...): the kernel and the reference each against its own two calls, every other slot
+    untouched; a bad append is refused."""
+    from sparsekv.kernels.reference import PendingCodes, quantize_pack_into_reference, quantize_pack_reference
 
     B, Hkv, Lmax, D, bits = 2, 2, 24, 64, 2
     W = -(-D // PER_WORD[bits])
@@ -238,12 +239,11 @@ def test_quantize_pack_codes_a_pending_key_in_the_same_launch(transform, gqa, dt
     q_th, k_th = _thresholds(bits, Hkv, seed=33).to(DEV), _thresholds(bits, Hkv, seed=34, scale=0.4).to(DEV)
     slots = torch.tensor([17, 5], dtype=torch.int32, device=DEV)
     before = torch.full((B, Hkv, Lmax, W), 321, dtype=torch.int16, device=DEV)
-    want = before.clone()
-    quantize_pack_into(k, k_th, want, slots, bits=bits, transform=transform)
-    for fn in (quantize_pack, quantize_pack_reference):
-        got = before.clone()
-        words = fn(q, q_th, bits, transform, append=PendingCodes(k, k_th, got, slots))
-        assert torch.equal(words, quantize_pack(q, q_th, bits, transform)) and torch.equal(got, want), fn.__name__
+    for pack, into in ((quantize_pack, quantize_pack_into), (quantize_pack_reference, quantize_pack_into_reference)):
+        want, got = before.clone(), before.clone()
+        into(k, k_th, want, slots, bits, transform)
+        words = pack(q, q_th, bits, transform, append=PendingCodes(k, k_th, got, slots))
+        assert torch.equal(words, pack(q, q_th, bits, transform)) and torch.equal(got, want), pack.__name__
     with pytest.raises(ValueError, match="append.slots"):
         quantize_pack(q, q_th, bits, transform, append=PendingCodes(k, k_th, before, slots[:1]))
     with pytest.raises(ValueError, match="append: keys"):
