@@ -51,7 +51,7 @@ import triton.language as tl
 
 from . import count_select
 from .hadamard import _prec, hadamard_signs
-from .reference import PendingCodes, RowBounds, _per_word, hadamard_matrix
+from .reference import PendingCodes, RowBounds, _per_word, check_pending, hadamard_matrix
 from .region import window_first
 
 _POOLS = {None: 0, "sum": 1, "min": 2}
@@ -156,13 +156,6 @@ def _thresholds(thresholds: torch.Tensor, H: int, bits: int, device) -> tuple[to
     return th, th.stride(0), H // th.shape[0]
 
 
-def _check_words(out_words: torch.Tensor, B: int, H: int, W: int, what: str) -> None:
-    if (out_words.dtype != torch.int16 or out_words.dim() != 4 or tuple(out_words.shape[:2]) != (B, H)
-            or out_words.shape[3] != W or out_words.stride(-1) != 1):
-        raise ValueError(f"{what} must be int16 [{B}, {H}, Lmax, {W}] with contiguous words, "
-                         f"got {out_words.dtype} {tuple(out_words.shape)}")
-
-
 def _check_x(x: torch.Tensor, what: str) -> None:
     if x.dim() != 4:
         raise ValueError(f"{what} must be [B, H, n, D], got {tuple(x.shape)}")
@@ -187,15 +180,23 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
     _check_x(x, "x")
     B, H, n, D = x.shape
     PW, PW2, W, BLOCK_WC, N_WC = _layout(D, bits)
-    _check_words(out_words, B, H, W, "out_words")
+    if (out_words.dtype != torch.int16 or out_words.dim() != 4 or tuple(out_words.shape[:2]) != (B, H)
+            or out_words.shape[3] != W or out_words.stride(-1) != 1):
+        raise ValueError(f"out_words must be int16 [{B}, {H}, Lmax, {W}] with contiguous words, "
+                         f"got {out_words.dtype} {tuple(out_words.shape)}")
     row_start = isinstance(start, torch.Tensor)
     if row_start and (start.shape != (B,) or start.device != x.device):
         raise ValueError(f"start must be an int or a tensor [{B}] on {x.device}, got {tuple(start.shape)}")
     if not row_start and (not 0 <= start or start + n > out_words.shape[2]):
         raise ValueError(f"positions [{start}, {start + n}) do not fit out_words of length {out_words.shape[2]}")
+    if append is not None:  # checked first: it needs one row of x (n = 0 cannot carry it)
+        k = append.k
+        _check_x(k, "append.k")
+        if n != 1 or row_start or k.shape[0] != B or k.shape[2:] != (1, D) or k.dtype != x.dtype:
+            raise ValueError(f"append: keys [{B}, Hkv, 1, {D}] of x's dtype beside one row of x written at an int "
+                             f"position, got {tuple(k.shape)} {k.dtype} beside x {tuple(x.shape)}")
+        check_pending(append.codes, append.slots, B, k.shape[1], W, x.device)
     if n == 0:
-        if append is not None:
-            quantize_pack_into(append.k, append.thresholds, append.codes, append.slots, bits, transform)
         return
     th, stride_th, rep = _thresholds(thresholds, H, bits, x.device)
     if x.stride(-1) != 1:
@@ -203,15 +204,7 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
     keys = (x, th, out_words, th, 0, 1, 1) + (0,) * 6  # unread placeholders without `append`
     HK = 0
     if append is not None:
-        k = append.k
-        _check_x(k, "append.k")
         HK = k.shape[1]
-        if n != 1 or row_start or k.shape[0] != B or k.shape[2:] != (1, D) or k.dtype != x.dtype:
-            raise ValueError(f"append: keys [{B}, Hkv, 1, {D}] of x's dtype beside one row of x written at an int "
-                             f"position, got {tuple(k.shape)} {k.dtype} beside x {tuple(x.shape)}")
-        _check_words(append.codes, B, HK, W, "append.codes")
-        if append.slots.shape != (B,) or append.slots.device != x.device:
-            raise ValueError(f"append.slots must be a tensor [{B}] on {x.device}, got {tuple(append.slots.shape)}")
         kth, stride_kth, krep = _thresholds(append.thresholds, HK, bits, x.device)
         if k.stride(-1) != 1:
             k = k.contiguous()

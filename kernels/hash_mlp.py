@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from .device import num_sms
-from .reference import PendingHash, _mlp_hash_shapes
+from .reference import PendingHash, _mlp_hash_shapes, check_pending
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -263,15 +263,7 @@ def _check_append(a: PendingHash, B: int, Hkv: int, D: int, W: int, device: torc
     if a.k.dim() != 4 or tuple(a.k.shape) != (B, Hkv, 1, D) or a.k.device != device or a.k.dtype not in _FLOATS:
         raise ValueError(f"append.k must be a float tensor [{B}, {Hkv}, 1, {D}] on {device}, got {a.k.dtype} "
                          f"{tuple(a.k.shape)} on {a.k.device}")
-    c = a.codes
-    if (c.dtype != torch.int16 or c.dim() != 4 or tuple(c.shape[:2]) != (B, Hkv) or c.shape[3] != W
-            or c.stride(-1) != 1 or c.device != device):
-        raise ValueError(f"append.codes must be int16 [{B}, {Hkv}, Lmax, {W}] on {device} with contiguous words, "
-                         f"got {c.dtype} {tuple(c.shape)} on {c.device}")
-    if (a.slots.shape != (B,) or a.slots.device != device or a.slots.is_floating_point()
-            or a.slots.is_complex()):
-        raise ValueError(f"append.slots must be an integer tensor [{B}] on {device}, got {a.slots.dtype} "
-                         f"{tuple(a.slots.shape)} on {a.slots.device}")
+    check_pending(a.codes, a.slots, B, Hkv, W, device)
 
 
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

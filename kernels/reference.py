@@ -369,6 +369,18 @@ def adamas_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: 
     return torch.einsum("bhld,bhgd->bhgl", levels, qg).reshape(B, Hq, -1)
 
 
+def check_pending(codes: torch.Tensor, slots: torch.Tensor, B: int, Hkv: int, W: int, device: torch.device) -> None:
+    """A pending decode-step append's code buffer, int16 [B, Hkv, Lmax, W] with contiguous words, and its device
+    slots, integers [B]: what the launch that carries it out writes through (codes.quantize_pack, hash_mlp)."""
+    if (codes.dtype != torch.int16 or codes.dim() != 4 or tuple(codes.shape[:2]) != (B, Hkv) or codes.shape[3] != W
+            or codes.stride(-1) != 1 or codes.device != device):
+        raise ValueError(f"append.codes must be int16 [{B}, {Hkv}, Lmax, {W}] on {device} with contiguous words, "
+                         f"got {codes.dtype} {tuple(codes.shape)} on {codes.device}")
+    if slots.shape != (B,) or slots.device != device or slots.is_floating_point() or slots.is_complex():
+        raise ValueError(f"append.slots must be an integer tensor [{B}] on {device}, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")
+
+
 @dataclass(frozen=True)
 class PendingCodes:
     """A decode step's key codes (quantize_pack_into of k [B, Hkv, 1, D] with its thresholds into `codes` at device
