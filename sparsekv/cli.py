@@ -21,9 +21,10 @@ from . import validate
 from .errors import SparseKVError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Sparse attention over the KV cache of long-context LLMs: dump activations, calibrate, evaluate "
-                       "(passkey, RULER, perplexity, selection recall), bench and generate with dense, oracle top-k, "
-                       "StreamingLLM, Adamas, Quest and SimHash attention.")
+                  help="Sparse attention over the KV cache of long-context LLMs: dump activations, fit the offline "
+                       "stages (calibrate Adamas, train-hash Spotlight, index SAAP), evaluate (passkey, RULER, "
+                       "perplexity, selection recall), bench and generate with dense, oracle top-k, StreamingLLM, "
+                       "Adamas, Quest, SimHash (lsh), Spotlight and SAAP attention.")
 artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect the versioned artifact store.")
 app.add_typer(artifacts_app, name="artifacts")
 console = Console()
@@ -218,7 +219,7 @@ def eval_cmd(
     task: Annotated[str, typer.Option(help="passkey, ruler (RULER's synthetic tasks), ppl (token-by-token "
                                       "perplexity) or recall (selection quality on dumped activations)")] = "passkey",
     method: Annotated[str, typer.Option(help="method(s), comma-separated: dense, oracle, streaming, adamas, quest, "
-                                        "lsh, ...")] = "dense",
+                                        "lsh, spotlight, saap")] = "dense",
     budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token "
                                         "count(s) or fraction(s) of the context, comma-separated")] = "64",
     seq: Annotated[Optional[str], typer.Option(help="prompt length(s) in tokens, comma-separated (ppl: window "
