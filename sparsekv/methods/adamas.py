@@ -143,7 +143,7 @@ class Adamas(Method):
         step's key (one a row, at device positions) is left pending: the step's select codes it with the query, in
         the same launch."""
         self.flush(state)
-        if isinstance(pos, torch.Tensor) and k.shape[2] == 1:
+        if self.is_step_key(k, pos):
             state.pending = PendingCodes(k, state.thresholds, state.codes, pos)
         else:
             ops.quantize_pack_into(k, state.thresholds, state.codes, pos, bits=self.bits, transform=self.hadamard)

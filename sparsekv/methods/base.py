@@ -176,6 +176,12 @@ class Method:
         raise NotImplementedError(f"{self.name} leaves no append pending")
 
     @staticmethod
+    def is_step_key(k: torch.Tensor, pos) -> bool:
+        """Whether `append` got a decode step's key (one a row, at device positions): what a method may leave
+        pending."""
+        return isinstance(pos, torch.Tensor) and k.shape[2] == 1
+
+    @staticmethod
     def take_pending(state: LayerState) -> Any:
         """The pending append, cleared from the state: for the launch that carries it out with the select's work."""
         pending, state.pending = state.pending, None

@@ -44,7 +44,7 @@ class HashSelect(Method):
         """Hash keys [B, Hkv, n, D] at positions [pos, pos + n) into the code buffer, packed. A decode step's key
         (one a row, at device positions) is left pending: the step's select hashes it with the queries."""
         self.flush(state)
-        if isinstance(pos, torch.Tensor) and k.shape[2] == 1:
+        if self.is_step_key(k, pos):
             state.pending = PendingHash(k, state.codes, pos)
         else:
             ops.mlp_hash_pack_into(k, *self.weights(state), state.codes, pos)
