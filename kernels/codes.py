@@ -543,22 +543,23 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
               metric: str = "l1", *, pool: str | None = None, offset: int = 0, keep: torch.Tensor | None = None,
-              bounds: RowBounds | None = None, block_l: int | None = None, num_warps: int = 4,
+              bounds: RowBounds | None = None, ties: str = "low", block_l: int | None = None, num_warps: int = 4,
               _chunk: int | None = None, _tile: int | None = None) -> torch.Tensor:
     """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
     in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`: a
-    sampled window, one histogram pass and emit, the distances in L2) turns into indices. Exact: ties go to the lower index, ascending
-    index order; the same keys as topk(code_scores(...), k), without the float top-k's tie fallback.
+    sampled window, one histogram pass and emit, the distances in L2) turns into indices. Exact: ties go to the
+    lower index (`ties="high"`: to the higher one), ascending index order; the same keys as
+    topk(code_scores(...), k, ties), without the float top-k's tie fallback.
     On the H100 (llama3-8b shape, k 2047, CUDA-graph replay) the select takes about two thirds of the time per query
     head at 131072 keys, and the two together beat code_scores + topk; the decode step they serve: BENCHMARKS.md,
     "Decode step of one layer".
     Rows whose distances can reach 2^14 (e.g. 3-bit L2 pooled over 8 heads) raise ValueError: use code_scores +
     topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]) or `bounds`
     (RowBounds: the same as a region per row, applied inside the distance kernel with no mask tensor; its `lo` is
-    where k_words was sliced): keys outside are chosen last (given the largest value the select counts; ties go to
-    the lower index)."""
+    where k_words was sliced): keys outside are chosen last (given the largest value the select counts)."""
     vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool))
     count_select.value_bits(vmax)  # ValueError before any work
+    count_select.tie_flag(ties)
     if not 0 <= k <= length:
         raise ValueError(f"k={k} must be between 0 and the {length} keys")
     fill = (1 << count_select.value_bits(vmax)) - 1
@@ -566,7 +567,7 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
                             bounds=bounds, fill=fill)
     if keep is not None:
         dist.masked_fill_(~keep, fill)
-    return count_select.smallest_k(dist, k, vmax, offset=offset, _chunk=_chunk, _tile=_tile)
+    return count_select.smallest_k(dist, k, vmax, offset=offset, ties=ties, _chunk=_chunk, _tile=_tile)
 
 
 # --------------------------------------------------------------------------------------------------------------

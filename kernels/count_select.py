@@ -21,8 +21,9 @@ read in TILEs):
            PH[q, b - 1], q < p), without a scan across programs. Otherwise (the sample misled: a miss) the program
            finds t, c_lt and those counts from the row itself, tile by tile: exact, but it reads the row three
            times in every program of the row (32 x 131071 values, every row missing: 1.7 ms instead of 36 µs).
-           It writes every value < t and the first k - c_lt values == t (ties to the lower index) at pos = how many
-           are taken before it, so each row's indices come out in ascending index order, as from `topk.topk`.
+           It writes every value < t and the first k - c_lt values == t (ties to the lower index; the last ones,
+           with c_eq, the row's count of t, from the same histograms, when `ties="high"`) at pos = how many are
+           taken before it, so each row's indices come out in ascending index order, as from `topk.topk`.
 
 On the H100 (CUDA-graph replay, bell-shaped values like code distances) the window made the select faster than
 those two passes on 8-64 rows of 131071 values and 32 rows of 32767, and left 8 rows of 32767 and 32 of 8191
@@ -95,9 +96,15 @@ def _kth(Dr, pos, ok, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.con
 
 
 @triton.jit
+def _bin(h, b, NB: tl.constexpr):
+    """h[b] of a histogram h [NB]."""
+    return tl.sum(tl.where(tl.arange(0, NB) == b, h, 0), 0)
+
+
+@triton.jit
 def _row_kth(Dr, N, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr, TILE: tl.constexpr):
     """_kth over a whole row, tile by tile (two passes): the row kernel's threshold, and emit's when the window
-    missed."""
+    missed; also how many values equal it."""
     h = tl.zeros([64], tl.int32)
     for off in range(0, N, TILE):
         idx = off + tl.arange(0, TILE)
@@ -111,7 +118,7 @@ def _row_kth(Dr, N, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.const
         v = _values(Dr, idx, ok, VMAX)
         h2 += _hist(v & ((1 << SHIFT) - 1), ok & ((v >> SHIFT) == tb), NB2)
     lo, c2 = _find_in(h2, need - c1, NB2)
-    return (tb << SHIFT) + lo, c1 + c2
+    return (tb << SHIFT) + lo, c1 + c2, _bin(h2, lo, NB2)
 
 
 @triton.jit
@@ -145,13 +152,13 @@ def _window(D, PH, GH, STATE, N, stride_d, r, p, P, VMAX: tl.constexpr, CHUNK: t
 
 
 @triton.jit
-def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, SHIFT: tl.constexpr,
+def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, high, SHIFT: tl.constexpr,
           VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
-    """Chunk p of row r: the threshold t (the k-th smallest) and c_lt (how many values are < t) from the row's
-    window histogram, and how many values < t and == t lie in the chunks before this one from their cumulative
-    histograms (no scan across programs); the indices (+ offset) of the values < t and of the first k - c_lt values
-    == t (ties to the lower index), in index order. When the k-th smallest fell outside the window, the program
-    finds t and those counts from the row itself (slow, exact)."""
+    """Chunk p of row r: the threshold t (the k-th smallest), c_lt (how many values are < t) and c_eq (how many
+    == t) from the row's window histogram, and how many values < t and == t lie in the chunks before this one from
+    their cumulative histograms (no scan across programs); the indices (+ offset) of the values < t and of k - c_lt
+    of the values == t (the first ones, or the last ones when `high`), in index order. When the k-th smallest fell
+    outside the window, the program finds t and those counts from the row itself (slow, exact)."""
     r64 = r.to(tl.int64)
     Dr = D + r64 * stride_d
     Or = OUT + r64 * stride_o
@@ -160,13 +167,14 @@ def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, SHIF
     b, c_lt = _find_in(g, k, WIN)
     if (b > 0) & (b < WIN - 1):  # inside the window: t = base + b - 1
         thr = base + b - 1
+        c_eq = _bin(g, b, WIN)
         qs = tl.arange(0, PP)
         before = qs < p
         rows = r64 * P + qs
         lt_run = tl.sum(tl.load(PH + rows * WIN + b - 1, mask=before, other=0), 0)
         eq_run = tl.sum(tl.load(PH + rows * WIN + b, mask=before, other=0), 0) - lt_run
     else:
-        thr, c_lt = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
+        thr, c_lt, c_eq = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
         lt_run = tl.zeros([], tl.int32)
         eq_run = tl.zeros([], tl.int32)
         for off in range(0, p * CHUNK, TILE):
@@ -175,15 +183,17 @@ def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, SHIF
             v = _values(Dr, idx, ok, VMAX)
             lt_run += tl.sum((ok & (v < thr)).to(tl.int32), 0)
             eq_run += tl.sum((ok & (v == thr)).to(tl.int32), 0)
-    _emit_tiles(Dr, Or, N, thr, k - c_lt, lt_run, eq_run, offset, p, VMAX, CHUNK, TILE)
+    need = k - c_lt
+    _emit_tiles(Dr, Or, N, thr, need, high * (c_eq - need), lt_run, eq_run, offset, p, VMAX, CHUNK, TILE)
 
 
 @triton.jit
-def _emit_tiles(Dr, Or, N, thr, need, lt_run, eq_run, offset, p, VMAX: tl.constexpr, CHUNK: tl.constexpr,
+def _emit_tiles(Dr, Or, N, thr, need, skip, lt_run, eq_run, offset, p, VMAX: tl.constexpr, CHUNK: tl.constexpr,
                 TILE: tl.constexpr):
-    """Chunk p: the indices (+ offset) of its values < thr and of its values == thr while fewer than `need` of them
-    have been taken (lt_run / eq_run: how many values < thr / == thr lie before the chunk), at their rank among the
-    taken ones: ascending index order."""
+    """Chunk p: the indices (+ offset) of its values < thr and of its values == thr whose rank among the row's
+    values == thr is in [skip, skip + need) (lt_run / eq_run: how many values < thr / == thr lie before the chunk),
+    at their rank among the taken ones: ascending index order. skip 0 takes the first `need` ties, skip = (ties
+    in the row) - need the last."""
     for t in range(CHUNK // TILE):
         idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
         ok = idx < N
@@ -192,9 +202,9 @@ def _emit_tiles(Dr, Or, N, thr, need, lt_run, eq_run, offset, p, VMAX: tl.conste
         e = (ok & (v == thr)).to(tl.int32)
         both = a + (e << 16)  # one scan for both counts (TILE < 2**16)
         pre = tl.cumsum(both, 0) - both
-        eq_pre = eq_run + (pre >> 16)
-        take = (a > 0) | ((e > 0) & (eq_pre < need))
-        pos = scatter_offsets(lt_run + (pre & 0xFFFF) + tl.minimum(eq_pre, need), take, lt_run)
+        eq_pre = eq_run + (pre >> 16) - skip  # rank among the ties, from the first one taken
+        take = (a > 0) | ((e > 0) & (eq_pre >= 0) & (eq_pre < need))
+        pos = scatter_offsets(lt_run + (pre & 0xFFFF) + tl.minimum(tl.maximum(eq_pre, 0), need), take, lt_run)
         tl.store(Or + pos, (idx + offset).to(tl.int64), mask=take)
         lt_run += tl.sum(a, 0)
         eq_run += tl.sum(e, 0)
@@ -214,15 +224,16 @@ def _window_kernel(D, PH, GH, STATE, N, stride_d, P, VMAX: tl.constexpr, CHUNK: 
 
 
 @triton.jit
-def _emit_kernel(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, P, SHIFT: tl.constexpr,
+def _emit_kernel(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, P, high, SHIFT: tl.constexpr,
                  VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
     q = tl.program_id(0)
     r = q // P
-    _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, q - r * P, P, SHIFT, VMAX, NB2, PP, CHUNK, TILE)
+    _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, q - r * P, P, high, SHIFT, VMAX, NB2, PP,
+          CHUNK, TILE)
 
 
 @triton.jit
-def _row_kernel(D, OUT, N, k, offset, stride_d, stride_o, SHIFT: tl.constexpr, VMAX: tl.constexpr,
+def _row_kernel(D, OUT, N, k, offset, stride_d, stride_o, high, SHIFT: tl.constexpr, VMAX: tl.constexpr,
                 NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
     """Rows of one chunk, one program each: the exact k-th smallest from the row itself (a histogram of the top 6
     bits, then one of the low bits in the bin that holds it), then emit. One launch, which is what an eager decode
@@ -232,15 +243,23 @@ def _row_kernel(D, OUT, N, k, offset, stride_d, stride_o, SHIFT: tl.constexpr, V
     16K)."""
     r = tl.program_id(0).to(tl.int64)
     Dr = D + r * stride_d
-    thr, c_lt = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
+    thr, c_lt, c_eq = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
     zero = tl.zeros([], tl.int32)
-    _emit_tiles(Dr, OUT + r * stride_o, N, thr, k - c_lt, zero, zero, offset, 0, VMAX, CHUNK, TILE)
+    need = k - c_lt
+    _emit_tiles(Dr, OUT + r * stride_o, N, thr, need, high * (c_eq - need), zero, zero, offset, 0, VMAX, CHUNK, TILE)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # host side
 
 _SCRATCH: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def tie_flag(ties: str) -> int:
+    """1 when ties go to the higher index, 0 to the lower; ValueError otherwise."""
+    if ties not in ("low", "high"):
+        raise ValueError(f"ties must be 'low' or 'high', got {ties!r}")
+    return int(ties == "high")
 
 
 def value_bits(max_value: int) -> int:
@@ -312,13 +331,15 @@ def shift(bits: int) -> int:
 
 
 def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0, out: torch.Tensor | None = None,
-               _chunk: int | None = None, _tile: int | None = None, _num_warps: int | None = None,
-               _force_miss: bool = False, _base_warps: int = 8) -> torch.Tensor:
+               ties: str = "low", _chunk: int | None = None, _tile: int | None = None,
+               _num_warps: int | None = None, _force_miss: bool = False, _base_warps: int = 8) -> torch.Tensor:
     """Indices (+ offset), int64 [..., k], of the k smallest of integer values [..., n] in [0, max_value] (int16 or
-    int32; others are clamped into the range). Exact, ties to the lower index, ascending index order in each row;
-    no host sync, so it can be captured in a CUDA graph. CUDA or TRITON_INTERPRET=1."""
+    int32; others are clamped into the range). Exact, ties to the lower index (`ties="high"`: to the higher one),
+    ascending index order in each row; no host sync, so it can be captured in a CUDA graph. CUDA or
+    TRITON_INTERPRET=1."""
     if values.dtype not in (torch.int16, torch.int32):
         raise ValueError(f"smallest_k: values must be int16 or int32, got {values.dtype}")
+    high = tie_flag(ties)
     bits = value_bits(max_value)
     x, out, o = rows_and_out(values, k, out, "smallest_k")
     rows, n = x.shape
@@ -328,7 +349,7 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     sh, nb2, vmax = shift(bits), fine_bins(bits), (1 << bits) - 1
     common = dict(VMAX=vmax, CHUNK=pl["chunk"], TILE=pl["tile"], num_warps=_num_warps or 4)
     if pl["p"] == 1:
-        _row_kernel[(rows,)](x, o, n, k, offset, x.stride(0), o.stride(0), SHIFT=sh, NB2=nb2, **common)
+        _row_kernel[(rows,)](x, o, n, k, offset, x.stride(0), o.stride(0), high, SHIFT=sh, NB2=nb2, **common)
         return out
     t = scratch(values.device, rows, pl["p"])
     S, stride, ks, below = sample_plan(n, k)
@@ -336,7 +357,7 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     _base_kernel[(rows,)](x, t["gh"], t["state"], n, ks, below, x.stride(0), stride, S=S, SHIFT=sh, VMAX=vmax,
                           NB2=nb2, FORCE_MISS=_force_miss, num_warps=_base_warps)
     _window_kernel[grid](x, t["ph"], t["gh"], t["state"], n, x.stride(0), pl["p"], **common)
-    _emit_kernel[grid](x, t["ph"], t["gh"], t["state"], o, n, k, offset, x.stride(0), o.stride(0), pl["p"],
+    _emit_kernel[grid](x, t["ph"], t["gh"], t["state"], o, n, k, offset, x.stride(0), o.stride(0), pl["p"], high,
                        SHIFT=sh, NB2=nb2, PP=triton.next_power_of_2(pl["p"]), **common)
     return out
 

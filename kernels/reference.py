@@ -157,8 +157,10 @@ def qk_logits_reference(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tens
     return logits.masked_fill((indices < 0).unsqueeze(2), float("-inf")).reshape(B, Hq, m)
 
 
-def topk_reference(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """Indices [..., k] int64 of the k largest scores per row, ties to the lower index, each row ascending.
+def topk_reference(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, config=None,
+                   ties: str = "low") -> torch.Tensor:
+    """Indices [..., k] int64 of the k largest scores per row, ties to the lower index (`ties="high"`: to the
+    higher), each row ascending.
 
     A stable descending sort (NaN first, -0.0 tied with +0.0, as torch.sort orders them), its first k, sorted.
     `kernels.topk.topk`'s signature: `out` is filled and returned when given; `config` (its tuning knobs) is ignored.
@@ -166,6 +168,11 @@ def topk_reference(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"topk: k={k} must be between 0 and the row length {n}")
+    if ties not in ("low", "high"):
+        raise ValueError(f"ties must be 'low' or 'high', got {ties!r}")
+    if ties == "high":  # the lower index of the reversed row is the higher one of the row
+        idx = (n - 1 - topk_reference(scores.flip(-1), k)).flip(-1)
+        return idx if out is None else out.copy_(idx)
     order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :k]
     idx = order.sort(dim=-1).values
     return idx if out is None else out.copy_(idx)

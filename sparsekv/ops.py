@@ -113,16 +113,22 @@ def pooled_log_probs(logits: torch.Tensor, group: int, scale: float, softcap: fl
 
 # -- selection --------------------------------------------------------------------------------------------------
 
-def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim, ties to the lower index (so a row padded with worse
-    scores, as a graph-replayed step's is, chooses the same keys): the select kernels (kernels/topk), exact, no
-    sort; the stable-sort reference elsewhere."""
+def topk(scores: torch.Tensor, k: int, ties: str = "low") -> torch.Tensor:
+    """Indices of the k largest scores along the last dim, each row ascending, ties to the lower index (so a row
+    padded with worse scores, as a graph-replayed step's is, chooses the same keys) or with `ties="high"` to the
+    higher one (the newer key: code distances, `selection.CODE_TIES`): the select kernels (kernels/topk), exact,
+    no sort; the stable-sort reference elsewhere."""
     if use_kernels(scores.device):
         from sparsekv.kernels.topk import topk as kernel
 
-        flat = scores.reshape(-1, scores.shape[-1]).contiguous()
-        return kernel(flat, k).view(*scores.shape[:-1], k)
-    return ref.topk_reference(scores, k)
+        if ties not in ("low", "high"):
+            raise ValueError(f"ties must be 'low' or 'high', got {ties!r}")
+        flat = scores.reshape(-1, scores.shape[-1])
+        if ties == "high":  # the lower index of the reversed row is the higher one of the row
+            n = flat.shape[-1]
+            return (n - 1 - kernel(flat.flip(-1).contiguous(), k)).flip(-1).view(*scores.shape[:-1], k)
+        return kernel(flat.contiguous(), k).view(*scores.shape[:-1], k)
+    return ref.topk_reference(scores, k, ties=ties)
 
 
 def quantize_pack(x: torch.Tensor, thresholds: torch.Tensor, bits: int = 2, transform: bool = True,
@@ -191,7 +197,7 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int, metric: str,
               pool: str | None, offset: int = 0, keep: torch.Tensor | None = None,
-              bounds: ref.RowBounds | None = None) -> torch.Tensor | None:
+              bounds: ref.RowBounds | None = None, ties: str = "low") -> torch.Tensor | None:
     """The k nearest keys by code distance, counted in one fused pass (kernels/codes.py::code_topk), or None where
     that kernel does not run (the references, or distances too wide for its counting): rank `code_scores` with
     `topk` then, which chooses the same keys."""
@@ -204,7 +210,7 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     if not code_topk_supported(d, bits, metric, group):
         return None
     return kernel(q_words, k_words, length, d, k, bits=bits, metric=metric, pool=pool, offset=offset, keep=keep,
-                  bounds=bounds)
+                  bounds=bounds, ties=ties)
 
 
 def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max",

@@ -26,6 +26,12 @@ from .ops import topk
 from .patterns import window_start
 from .pooling import Pooling
 
+# Integer code distances (Adamas' L1 of 2-bit codes, Hamming distances of lsh and Spotlight) take a few hundred
+# values, so many keys share the k-th smallest; of those, the newest are taken. Attention decays with distance on average, so a
+# tie goes to the key likelier to matter: on held-out text it raised the attention mass of the chosen keys by 0.7
+# (lsh) and 3.9 (Adamas) points at 2 % (benchmarks/BENCHMARKS.md, "Ties in code distances").
+CODE_TIES = "high"
+
 
 @dataclass
 class Selection:
@@ -264,12 +270,13 @@ def split_budget(budget: float, sink: int, window: int, length: int, span: int =
     return BudgetSplit(sink, window, b - sink - window, dense=False, **where)
 
 
-def topk_selection(scores: torch.Tensor, split: BudgetSplit) -> Selection:
-    """Top-k of `scores` [B, H, split.hi - split.lo] (higher is better) over the region the sparse part comes from."""
+def topk_selection(scores: torch.Tensor, split: BudgetSplit, ties: str = "low") -> Selection:
+    """Top-k of `scores` [B, H, split.hi - split.lo] (higher is better) over the region the sparse part comes from;
+    ties to the lower index, or to the higher (the newer key) with `ties="high"` (code distances: CODE_TIES)."""
     k = min(split.k, scores.shape[-1])
     if k <= 0:
         return split.selection()
-    return split.selection(indices=topk(split.masked(scores, float("-inf")), k) + split.lo, padded=False)
+    return split.selection(indices=topk(split.masked(scores, float("-inf")), k, ties) + split.lo, padded=False)
 
 
 def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: Pooling | str, indices: torch.Tensor | None = None,
@@ -308,13 +315,13 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
     """The kernels' path for methods that rank keys by code distance (Adamas, LSH): the k = split.k keys of
     [split.lo, split.hi) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
     summed over each GQA group with pooling "group", by `ops.code_topk` (int16 distances, then the counting
-    select). None where that kernel does not run (the references, or distances too wide for it): rank
-    `code_scores` with `topk` then."""
+    select), ties to the newer key (CODE_TIES). None where that kernel does not run (the references, or distances
+    too wide for it): rank `code_scores` with `topk_selection(..., ties=CODE_TIES)` then."""
     pool = pooling.kernel_pool("sum")
     lo, hi = split.lo, split.hi
     k = min(split.k, hi - lo)
     if k <= 0:
         return split.selection()
     idx = ops.code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits, metric, pool, offset=lo,
-                        bounds=split.bounds())
+                        bounds=split.bounds(), ties=CODE_TIES)
     return None if idx is None else split.selection(indices=idx, padded=False)

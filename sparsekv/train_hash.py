@@ -197,10 +197,10 @@ class SpotlightObjective:
                 if n not in self._truth:
                     self._truth[n] = self.truth(ex)
                 idx, valid, vis, k = self._truth[n]
-                sim = self.similarity(model, ex, hard=True).float()
-                sim = sim - torch.arange(sim.shape[-1], device=sim.device) * 1e-6  # ties: the older key, as truth
-                got, _ = targets.topk_sets(sim, vis, k)
+                sim = self.similarity(model, ex, hard=True).float()  # integers (matching bits)
                 nk = sim.shape[-1]
+                sim = sim * nk + torch.arange(nk, device=sim.device)  # ties: the newer key, as the method (exact)
+                got, _ = targets.topk_sets(sim, vis, k)
                 total = total + targets.iou(targets.set_mask(got, valid, nk), targets.set_mask(idx, valid, nk)).sum(-1)
                 count += ex.q.shape[2]
         return total / max(count, 1)

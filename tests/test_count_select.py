@@ -15,10 +15,11 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 
 
-def smallest_reference(values: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
-    """The k smallest per row, ties to the lower index, in ascending index order (int64 keys make ties unique)."""
+def smallest_reference(values: torch.Tensor, k: int, offset: int = 0, ties: str = "low") -> torch.Tensor:
+    """The k smallest per row, ties to the lower index (or the higher), in ascending index order (int64 keys make
+    ties unique)."""
     n = values.shape[-1]
-    key = values.long().cpu() * n + torch.arange(n)
+    key = values.long().cpu() * n + (torch.arange(n) if ties == "low" else n - 1 - torch.arange(n))
     return torch.sort(torch.topk(-key, k, dim=-1).indices, dim=-1).values + offset
 
 
@@ -26,6 +27,7 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.mark.parametrize("ties", ["low", "high"])
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
 @pytest.mark.parametrize("rows,n,k,vmax", [
     (3, 1000, 37, 2047),  # wide values: the window holds 62 of them
@@ -35,15 +37,15 @@ def _gen(seed):
     (1, 4096, 500, (1 << MAX_BITS) - 1),  # the widest values
     (2, 129, 64, 0),  # a constant row
 ])
-def test_smallest_k_matches_reference(dtype, rows, n, k, vmax):
+def test_smallest_k_matches_reference(dtype, rows, n, k, vmax, ties):
     g = _gen(rows * n + k)
     if vmax > 100:  # bell-shaped, like code distances: the k-th smallest sits in a sparse tail
         v = (torch.randn(rows, n, generator=g) * vmax / 8 + vmax / 2).clamp(0, vmax).int()
     else:
         v = torch.randint(0, vmax + 1, (rows, n), generator=g, dtype=torch.int32)
-    out = smallest_k(v.to(dtype).to(DEV), k, vmax, offset=5)
+    out = smallest_k(v.to(dtype).to(DEV), k, vmax, offset=5, ties=ties)
     assert out.dtype == torch.int64 and out.shape == (rows, k)
-    assert torch.equal(out.cpu(), smallest_reference(v, k, 5))
+    assert torch.equal(out.cpu(), smallest_reference(v, k, 5, ties))
 
 
 def test_smallest_k_repeats_and_shapes():
@@ -65,6 +67,9 @@ def test_smallest_k_clamps_out_of_range_values():
     # the range is [0, 63]: -3 counts as 0 (ties with the 0 after it, lower index first), 70/64/1000 as 63
     assert smallest_k(v.to(DEV), 3, 63).cpu().tolist() == [[1, 2, 5]]
     assert smallest_k(v.to(DEV), 5, 63).cpu().tolist() == [[0, 1, 2, 3, 5]]
+    # ties to the higher index: of the four 63s (0, 3, 4, 6) the last two
+    assert smallest_k(v.to(DEV), 2, 63, ties="high").cpu().tolist() == [[1, 5]]
+    assert smallest_k(v.to(DEV), 5, 63, ties="high").cpu().tolist() == [[1, 2, 4, 5, 6]]
 
 
 def test_smallest_k_window_misses():
@@ -75,12 +80,14 @@ def test_smallest_k_window_misses():
     v = torch.randint(0, 50, (1, n), generator=_gen(9), dtype=torch.int32)
     v[:, ::2] = 2000  # every sampled value is large: the estimate sits far above the k-th smallest (a miss) ...
     for k in (300, 5000):  # ... unless k reaches into the large ones (5000: a hit on a two-valued row)
-        assert torch.equal(smallest_k(v.to(DEV), k, 2047, _chunk=1024, _tile=512).cpu(), smallest_reference(v, k))
+        for ties in ("low", "high"):
+            out = smallest_k(v.to(DEV), k, 2047, ties=ties, _chunk=1024, _tile=512)
+            assert torch.equal(out.cpu(), smallest_reference(v, k, ties=ties))
     w = (torch.randn(3, 1000, generator=_gen(10)) * 60 + 300).clamp(0, 1023).int()
     for chunk in (64, 1024):  # many chunks; one chunk per row (the row kernel: no window, the same answer)
-        for k in (1, 77, 1000):
-            out = smallest_k(w.to(DEV), k, 1023, _chunk=chunk, _force_miss=True)
-            assert torch.equal(out.cpu(), smallest_reference(w, k)), (chunk, k)
+        for k, ties in ((1, "low"), (77, "low"), (1000, "low"), (77, "high"), (1000, "high")):
+            out = smallest_k(w.to(DEV), k, 1023, ties=ties, _chunk=chunk, _force_miss=True)
+            assert torch.equal(out.cpu(), smallest_reference(w, k, ties=ties)), (chunk, k, ties)
 
 
 def test_smallest_k_rejects_bad_input():
@@ -93,6 +100,8 @@ def test_smallest_k_rejects_bad_input():
         smallest_k(v, 3, 1 << MAX_BITS)
     with pytest.raises(ValueError, match="smallest_k: the input needs at least one dimension"):
         smallest_k(torch.tensor(3, dtype=torch.int32), 1, 10)
+    with pytest.raises(ValueError, match="ties must be 'low' or 'high'"):
+        smallest_k(v, 3, 10, ties="newest")
     assert value_bits(0) == 1 and value_bits(2047) == 11
 
 
@@ -113,15 +122,17 @@ def _codes(B, Hq, Hkv, L, D, bits, seed):
     (1, 4, 2, 32, 3, "l2", "min", 333, 33, 16, 64),  # the generic (bits, metric) path, min pooling
     (1, 2, 2, 64, 2, "l1", "sum", 200, 200, 16, 256),  # k = every key; one chunk per row (the row kernel)
 ])
-def test_code_topk_matches_distances(B, Hq, Hkv, D, bits, metric, pool, L, k, block_l, chunk):
-    """code_topk == the k smallest of code_distance (ties to the lower index), on a sliced cache with an offset."""
+@pytest.mark.parametrize("ties", ["low", "high"])
+def test_code_topk_matches_distances(B, Hq, Hkv, D, bits, metric, pool, L, k, block_l, chunk, ties):
+    """code_topk == the k smallest of code_distance (ties to the lower or higher index), on a sliced cache with an
+    offset."""
     qw, kw = _codes(B, Hq, Hkv, L + 10, D, bits, B * Hq * L + k)
     off = 3
-    got = code_topk(qw, kw[:, :, off:], L, D, k, bits, metric, pool=pool, offset=off, block_l=block_l,
+    got = code_topk(qw, kw[:, :, off:], L, D, k, bits, metric, pool=pool, offset=off, ties=ties, block_l=block_l,
                     _chunk=chunk)
     dist = code_distance(qw, kw[:, :, off:], L, D, bits, metric, pool=pool)
     assert got.shape == (B, dist.shape[1], k)
-    assert torch.equal(got.cpu(), smallest_reference(dist, k, off))
+    assert torch.equal(got.cpu(), smallest_reference(dist, k, off, ties))
 
 
 @pytest.mark.parametrize("bits,pool,span,sink,window", [
@@ -137,10 +148,12 @@ def test_code_topk_row_bounds(bits, pool, span, sink, window):
     keep = bounds.mask(n)
     start = max(0, 40 - span) if span else 0
     assert keep.shape == (B, 1, n) and keep[2, 0].sum() == (40 - window) - max(lo, start + sink)
-    for k in (1, 90, n):
-        got = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, bounds=bounds, block_l=64, _chunk=128)
-        want = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, keep=keep, block_l=64, _chunk=128)
-        assert torch.equal(got.cpu(), want.cpu()), k
+    for k, ties in ((90, "high"), (n, "high"), (1, "low"), (90, "low"), (n, "low")):
+        got = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, bounds=bounds, ties=ties, block_l=64,
+                        _chunk=128)
+        want = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, keep=keep, ties=ties, block_l=64,
+                         _chunk=128)
+        assert torch.equal(got.cpu(), want.cpu()), (k, ties)
     dist = code_distance(qw, kw[:, :, lo:], n, D, bits, pool=pool).masked_fill(~keep, 1 << 14)
     assert torch.equal(got.cpu()[..., :50], smallest_reference(dist.cpu(), n, lo)[..., :50])
     with pytest.raises(ValueError, match="bounds.lengths"):
@@ -148,13 +161,15 @@ def test_code_topk_row_bounds(bits, pool, span, sink, window):
 
 
 def test_code_topk_ties_and_limits():
-    """Duplicated keys (every distance tied in runs) keep the lower index; oversized value ranges are refused."""
+    """Duplicated keys (every distance tied in runs) keep the lower index, or the higher with ties="high";
+    oversized value ranges are refused."""
     qw, kw = _codes(1, 4, 1, 40, 64, 2, 7)
     kw = kw.repeat_interleave(8, dim=2)  # 320 keys, each value 8 times in a row
     dist = code_distance(qw, kw, 320, 64, pool="sum")
     for k in (1, 5, 100):
-        assert torch.equal(code_topk(qw, kw, 320, 64, k, pool="sum", block_l=16, _chunk=64).cpu(),
-                           smallest_reference(dist, k))
+        for ties in ("low", "high"):
+            assert torch.equal(code_topk(qw, kw, 320, 64, k, pool="sum", ties=ties, block_l=16, _chunk=64).cpu(),
+                               smallest_reference(dist, k, ties=ties))
     assert code_topk_supported(128, 2, "l1", 4) and not code_topk_supported(256, 3, "l2", 8)
     q3, k3 = _codes(1, 4, 1, 40, 128, 3, 8)
     with pytest.raises(ValueError, match="below 2\\^14"):  # 3-bit L2 over 128 dims x 4 heads reaches 25088
@@ -171,6 +186,8 @@ def test_gpu_long_rows_with_ties():
     v = (torch.randn(8, 131072, generator=g) * 60 + 600).clamp(0, 1535).int()
     for k in (1, 2048, 8192, 131072):
         assert torch.equal(smallest_k(v.to(torch.int16).cuda(), k, 1535).cpu(), smallest_reference(v, k))
+        assert torch.equal(smallest_k(v.to(torch.int16).cuda(), k, 1535, ties="high").cpu(),
+                           smallest_reference(v, k, ties="high"))
     for rows, n in ((8, 16384), (32, 8191)):  # short rows: the one-launch row kernel
         v = torch.randint(0, 300, (rows, n), generator=g, dtype=torch.int32)
         for k in (1, 127, n):
@@ -181,6 +198,8 @@ def test_gpu_long_rows_with_ties():
         assert torch.equal(code_topk(qw, kw, 131072, 128, 2048, pool="sum").cpu(), smallest_reference(dist, 2048))
     dist = code_distance(qw, kw, 131072, 128)  # one row per query head: 32 rows of 64 chunks
     assert torch.equal(code_topk(qw, kw, 131072, 128, 2048).cpu(), smallest_reference(dist, 2048))
+    assert torch.equal(code_topk(qw, kw, 131072, 128, 2047, ties="high").cpu(),
+                       smallest_reference(dist, 2047, ties="high"))
 
 
 def test_plan_caps_chunks(monkeypatch):

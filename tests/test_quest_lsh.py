@@ -296,9 +296,25 @@ def test_lsh_kernel_path_equals_torch_path(monkeypatch, nbits, pooling):
         out.append((st.codes.cpu(), m.hash_scores(st, q, 2, 67).float().cpu(), m.select(st, q, None)))
     (c0, s0, sel0), (c1, s1, sel1) = out
     assert torch.equal(c0, c1) and torch.equal(s0, s1)
-    for sel in (sel0, sel1):  # ties (few bits) may break differently: both must be a top-k of the same scores
-        picked = s0.gather(-1, sel.indices.cpu() - 2).sort(-1).values
-        assert torch.equal(picked, s0.topk(sel.indices.shape[-1], -1).values.sort(-1).values)
+    assert torch.equal(sel0.indices.cpu(), sel1.indices.cpu())  # ties go to the newer key on both paths
+    picked = s0.gather(-1, sel0.indices.cpu() - 2).sort(-1).values
+    assert torch.equal(picked, s0.topk(sel0.indices.shape[-1], -1).values.sort(-1).values)
+
+
+@pytest.mark.parametrize("name", ["lsh", "adamas"])
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_code_distance_ties_go_to_the_newer_key(monkeypatch, name, flag):
+    """Keys with equal codes tie at every distance: the selection takes the newest of the sparse region, on the
+    kernel path (counting select) and the torch path (code_scores + topk) alike."""
+    monkeypatch.setenv("SPARSEKV_KERNELS", flag)
+    keys = torch.randn(1, 2, 1, 16, generator=_gen(21)).expand(1, 2, 80, 16).contiguous().to(DEV)
+    q = torch.randn(1, 4, 1, 16, generator=_gen(22)).to(DEV)
+    m = get_method(name, budget=20, sink=2, window=3)
+    st = build(m, keys, [60, *range(61, 81)], q_heads=4)
+    sel = m.select(st, q, None)
+    want = torch.arange(80 - 3 - 15, 80 - 3)  # 15 sparse keys, the last ones before the window
+    assert sel.indices.shape[-1] == 15
+    assert torch.equal(sel.indices.cpu(), want.expand_as(sel.indices.cpu()))
 
 
 @pytest.mark.parametrize("nbits", [16, 40, 128, 512, 1024])

@@ -547,3 +547,21 @@ def test_gpu_default_short_rows_with_ties(n, monkeypatch):
               torch.randn(9, n, device="cuda", generator=g).half(), torch.full((2, n), 1.0, device="cuda")):
         for k in (1, 118, 1000, n):
             _check(x, k)
+
+
+def test_ties_to_the_higher_index():
+    """ops.topk(ties="high"): the same k largest, ties broken toward the higher index, on the kernel and the
+    reference path; each row ascending."""
+    from sparsekv import ops
+
+    x = torch.randint(0, 6, (3, 200), generator=_gen(23)).float()
+    n = x.shape[-1]
+    key = x.double() * n + torch.arange(n)  # ties to the higher index, made unique
+    want = key.topk(40, -1).indices.sort(-1).values
+    assert torch.equal(topk_reference(x, 40, ties="high"), want)
+    for on in (False, True):
+        with ops.kernels(on):
+            assert torch.equal(ops.topk(x.to(DEV), 40, ties="high").cpu(), want)
+            assert torch.equal(ops.topk(x.to(DEV), 40).cpu(), topk_reference(x, 40))
+    with pytest.raises(ValueError, match="ties must be"):
+        topk_reference(x, 4, ties="new")
