@@ -197,7 +197,8 @@ class SparseLayer(CacheLayerMixin):
 
 
 class SparseCache(Cache):
-    """A cache whose layers hold preallocated K/V and the method state; pass it as `past_key_values`.
+    """A cache whose layers hold preallocated K/V and the method state; pass it as the model's `cache` (or
+    `past_key_values` before transformers 5.24; `models.cache_kwarg` picks).
 
     `dense_layers` are attended densely at every step (and not indexed); `rotary` (the model's rotary module) is
     needed only by methods that index pre-RoPE keys or queries; `patterns` (one per layer,

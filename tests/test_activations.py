@@ -13,7 +13,7 @@ from sparsekv import artifacts
 from sparsekv.activations import dump_activations, load_activations, split_sequences, text_tokens
 from sparsekv.artifacts import ArtifactError
 from sparsekv.errors import SparseKVError
-from sparsekv.models import load_model, tiny_random
+from sparsekv.models import cache_kwarg, load_model, tiny_random
 
 SEQ, QPS = 128, 32
 
@@ -48,12 +48,13 @@ def plain_forward(seq_ids):
         for i, layer in enumerate(model.model.layers) for name in ("q_proj", "k_proj")]
     ids = torch.tensor([seq_ids])
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True)
     for h in hooks:
         h.remove()
     pos = torch.arange(len(seq_ids)).unsqueeze(0)
     cos, sin = model.model.rotary_emb(ids.float(), pos)
-    return model, out.past_key_values, proj, cos, sin
+    return model, cache, proj, cos, sin
 
 
 def heads(x, h, d):  # [1, n, h*d] -> [1, h, n, d]

@@ -8,6 +8,7 @@ import sparsekv.decode as decode
 from sparsekv.cache import SparseCache, active_cache
 from sparsekv.errors import SparseKVError
 from sparsekv.methods import get_method
+from sparsekv.models import cache_kwarg
 
 L, HKV, HQ, D, MAX = 2, 2, 6, 8, 32
 
@@ -90,7 +91,7 @@ def test_cache_overflow_and_bad_dense_layer_are_clear_errors(tiny, prompt_ids):
         SparseCache(get_method("dense"), tiny.num_layers, tiny.q_heads, 10, dense_layers=(5,))
     cache = SparseCache(get_method("dense"), tiny.num_layers, tiny.q_heads, 10)
     with pytest.raises(SparseKVError, match="cache is full"):
-        tiny.model(input_ids=prompt_ids[:, :20], past_key_values=cache)
+        tiny.model(input_ids=prompt_ids[:, :20], **cache_kwarg(tiny.model, cache))
 
 
 def test_regime_changes_once_the_context_outgrows_the_budget(tiny, prompt_ids):

@@ -11,7 +11,7 @@ import torch
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
 from sparsekv.methods import get_method
-from sparsekv.models import LoadedModel, byte_tokenizer, wire
+from sparsekv.models import LoadedModel, byte_tokenizer, cache_kwarg, wire
 from sparsekv.patterns import FAMILIES, check_call, model_patterns
 
 WINDOW = 32  # the sliding window of every family that has one: well inside the 100-token prompts below
@@ -281,7 +281,7 @@ def test_a_model_changed_under_the_cache_is_refused_not_decoded():
     attn.sliding_window = WINDOW // 2
     try:
         with pytest.raises(SparseKVError, match=f"layer {layer} attends a sliding window of {WINDOW // 2}"):
-            lm.model(input_ids=_ids(6), past_key_values=cache, position_ids=torch.arange(PROMPT).view(1, -1))
+            lm.model(input_ids=_ids(6), **cache_kwarg(lm.model, cache), position_ids=torch.arange(PROMPT).view(1, -1))
     finally:
         attn.sliding_window = WINDOW
 
