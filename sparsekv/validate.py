@@ -151,12 +151,14 @@ def same_model(recorded: dict | None, shape: dict | None, model: str, what: str)
 
 
 def artifact(path: str | Path | None, shape: dict | None, model: str, option: str = "--artifact") -> None:
-    """An artifact made from the model `model` names, read from its manifest alone (no tensor is loaded)."""
+    """Artifacts (one path, or several comma-separated) made from the model `model` names, read from their
+    manifests alone (no tensor is loaded)."""
     if path is None:
         return
     from .artifacts import read_manifest
 
-    same_model(read_manifest(path).get("model"), shape, model, f"{option} {path}")
+    for one in filter(None, (p.strip() for p in str(path).split(","))):
+        same_model(read_manifest(one).get("model"), shape, model, f"{option} {one}")
 
 
 def sink_window(method: str, sink: int, window: int, budget: float, context: int | None = None) -> None:

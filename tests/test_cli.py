@@ -262,6 +262,18 @@ def test_learned_stages_write_artifacts_their_methods_run(inputs, tmp_path):
         assert r.returncode == 0, r.stderr
         result = json.loads((tmp_path / f"{method}.json").read_text())  # one cell: the object itself
         assert result["method"] == method and result["method_config"]["artifact"] == art
+    # one run, each artifact to the method it was written for (lsh takes none)
+    r = sparsekv(*RECALL[:-4], "--method", "lsh,spotlight,saap", "--budget", "32", "--artifact",
+                 f"{ix['artifact']},{th['artifact']}", "--acts", str(inputs / "dump"), "--window", "8",
+                 "--json", str(tmp_path / "all.json"))
+    assert r.returncode == 0, r.stderr
+    got = {c["method"]: c["method_config"].get("artifact") for c in json.loads((tmp_path / "all.json").read_text())}
+    assert got == {"lsh": None, "spotlight": th["artifact"], "saap": ix["artifact"]}
+    for arts, msg in ((ix["artifact"], "is a saap artifact; the methods of the run are lsh, spotlight"),
+                      (f"{th['artifact']},{th['artifact']}", "are both spotlight artifacts")):
+        r = sparsekv(*RECALL[:-4], "--method", "lsh,spotlight", "--budget", "32", "--artifact", arts, "--acts",
+                     str(inputs / "dump"))
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
 def test_plot_draws_eval_runs_together_against_selectivity(tmp_path):

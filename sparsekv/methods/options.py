@@ -2,7 +2,9 @@
 its flags from these fields, and a Python caller passes the same object (or a dict of its fields).
 
 Each method takes the options its constructor names (`Method.option_names`) and checks their values itself; an
-option that no method of the run takes is refused, not silently dropped.
+option that no method of the run takes is refused, not silently dropped. `artifact` may name several version
+folders (comma-separated): each goes to the method its manifest was written for, so one run can compare methods
+that each need their own (`--method adamas,spotlight --artifact ADAMAS,SPOTLIGHT`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class MethodOptions:
     window: int | None = _option("recent-window tokens (default: the method's paper)")
     pooling: str | None = _option("GQA: 'group' (one choice per KV head) or 'head' (one per query head; default: the "
                                   "method's, 'head' for adamas as its authors' code, 'group' for the rest)")
-    artifact: str | None = _option("an artifact version folder: adamas (from calibrate), spotlight (from train-hash)")
+    artifact: str | None = _option("an artifact version folder, or several comma-separated, each for the method it was "
+                                   "written for: adamas (calibrate), spotlight (train-hash), saap (index)")
     hadamard: bool | None = _option("adamas ablation: Hadamard transform on/off", ("--hadamard/--no-hadamard",))
     bits: int | None = _option("adamas ablation: code bits 1, 2 or 3")
     distance: str | None = _option("adamas: code distance l1 (the paper) or l2, or ip: the query itself against the "
@@ -64,15 +67,39 @@ class MethodOptions:
             out["artifact"] = str(out["artifact"])
         return out
 
+    def artifacts(self) -> dict[str, str]:
+        """The artifact paths given, by the method each manifest names (read here: a bad path fails now)."""
+        from ..artifacts import read_manifest
+
+        by_method: dict[str, str] = {}
+        for path in filter(None, (p.strip() for p in str(self.artifact or "").split(","))):
+            method = str(read_manifest(path).get("method"))
+            if method in by_method:
+                raise SparseKVError(f"--artifact: {by_method[method]} and {path} are both {method} artifacts; give "
+                                    f"one per method")
+            by_method[method] = path
+        return by_method
+
     def for_method(self, name: str) -> dict:
-        """The options `name` takes; bench's dense baselines (not registered methods) take none."""
+        """The options `name` takes (the artifact written for it, if one was given); bench's dense baselines (not
+        registered methods) take none."""
         method_names()  # fills REGISTRY
         cls = REGISTRY.get(name)
         takes = cls.option_names() if cls is not None else frozenset()
-        return {k: v for k, v in self.given().items() if k in takes}
+        out = {k: v for k, v in self.given().items() if k in takes and k != "artifact"}
+        if "artifact" in takes and self.artifact:
+            path = self.artifacts().get(name)
+            if path is not None:
+                out["artifact"] = path
+        return out
 
     def check(self, methods: list[str]) -> None:
-        """An option that no method of the run takes is a mistake to report."""
+        """An option that no method of the run takes is a mistake to report, and so is an artifact for a method
+        the run does not have."""
+        for method, path in self.artifacts().items():
+            if method not in methods:
+                raise SparseKVError(f"--artifact {path} is a {method} artifact; the methods of the run are "
+                                    f"{', '.join(methods)}")
         used = set().union(*(self.for_method(m) for m in methods))
         unused = sorted(set(self.given()) - used)
         if unused:
