@@ -269,8 +269,8 @@ def test_learned_stages_write_artifacts_their_methods_run(inputs, tmp_path):
     assert r.returncode == 0, r.stderr
     got = {c["method"]: c["method_config"].get("artifact") for c in json.loads((tmp_path / "all.json").read_text())}
     assert got == {"lsh": None, "spotlight": th["artifact"], "saap": ix["artifact"]}
-    for arts, msg in ((ix["artifact"], "is a saap artifact; the methods of the run are lsh, spotlight"),
-                      (f"{th['artifact']},{th['artifact']}", "are both spotlight artifacts")):
+    for arts, msg in ((ix["artifact"], "was written for saap; the methods of the run are lsh, spotlight"),
+                      (f"{th['artifact']},{th['artifact']}", "were both written for spotlight")):
         r = sparsekv(*RECALL[:-4], "--method", "lsh,spotlight", "--budget", "32", "--artifact", arts, "--acts",
                      str(inputs / "dump"))
         assert r.returncode == 2 and msg in r.stderr, r.stderr

@@ -75,8 +75,8 @@ class MethodOptions:
         for path in filter(None, (p.strip() for p in str(self.artifact or "").split(","))):
             method = str(read_manifest(path).get("method"))
             if method in by_method:
-                raise SparseKVError(f"--artifact: {by_method[method]} and {path} are both {method} artifacts; give "
-                                    f"one per method")
+                raise SparseKVError(f"--artifact: {by_method[method]} and {path} were both written for {method}; "
+                                    f"give one per method")
             by_method[method] = path
         return by_method
 
@@ -98,7 +98,7 @@ class MethodOptions:
         the run does not have."""
         for method, path in self.artifacts().items():
             if method not in methods:
-                raise SparseKVError(f"--artifact {path} is a {method} artifact; the methods of the run are "
+                raise SparseKVError(f"--artifact {path} was written for {method}; the methods of the run are "
                                     f"{', '.join(methods)}")
         used = set().union(*(self.for_method(m) for m in methods))
         unused = sorted(set(self.given()) - used)
