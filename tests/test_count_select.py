@@ -27,8 +27,7 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("ties", ["low", "high"])
-@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
+@pytest.mark.parametrize("dtype,ties", [(torch.int16, "low"), (torch.int32, "low"), (torch.int16, "high")])
 @pytest.mark.parametrize("rows,n,k,vmax", [
     (3, 1000, 37, 2047),  # wide values: the window holds 62 of them
     (2, 777, 777, 300),  # k = n
@@ -85,7 +84,7 @@ def test_smallest_k_window_misses():
             assert torch.equal(out.cpu(), smallest_reference(v, k, ties=ties))
     w = (torch.randn(3, 1000, generator=_gen(10)) * 60 + 300).clamp(0, 1023).int()
     for chunk in (64, 1024):  # many chunks; one chunk per row (the row kernel: no window, the same answer)
-        for k, ties in ((1, "low"), (77, "low"), (1000, "low"), (77, "high"), (1000, "high")):
+        for k, ties in ((1, "low"), (77, "low"), (1000, "low"), (77, "high")):
             out = smallest_k(w.to(DEV), k, 1023, ties=ties, _chunk=chunk, _force_miss=True)
             assert torch.equal(out.cpu(), smallest_reference(w, k, ties=ties)), (chunk, k, ties)
 
@@ -148,7 +147,7 @@ def test_code_topk_row_bounds(bits, pool, span, sink, window):
     keep = bounds.mask(n)
     start = max(0, 40 - span) if span else 0
     assert keep.shape == (B, 1, n) and keep[2, 0].sum() == (40 - window) - max(lo, start + sink)
-    for k, ties in ((90, "high"), (n, "high"), (1, "low"), (90, "low"), (n, "low")):
+    for k, ties in ((90, "high"), (1, "low"), (90, "low"), (n, "low")):
         got = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, bounds=bounds, ties=ties, block_l=64,
                         _chunk=128)
         want = code_topk(qw, kw[:, :, lo:], n, D, k, bits, pool=pool, offset=lo, keep=keep, ties=ties, block_l=64,
