@@ -27,9 +27,10 @@ from .patterns import window_start
 from .pooling import Pooling
 
 # Integer code distances (Adamas' L1 of 2-bit codes, Hamming distances of lsh and Spotlight) take a few hundred
-# values, so many keys share the k-th smallest; of those, the newest are taken. Attention decays with distance on average, so a
-# tie goes to the key likelier to matter: on held-out text it raised the attention mass of the chosen keys by 0.7
-# (lsh) and 3.9 (Adamas) points at 2 % (benchmarks/BENCHMARKS.md, "Ties in code distances").
+# values, so many keys share the k-th smallest; of those, the newest are taken. Attention decays with distance on
+# average, so a tie goes to the key likelier to matter: on held-out text it raised the attention mass of the chosen
+# keys by 3.9 (Adamas), 0.7 (lsh) and 0.3 (Spotlight) points at 2 % (benchmarks/BENCHMARKS.md, "Ties in code
+# distances").
 CODE_TIES = "high"
 
 

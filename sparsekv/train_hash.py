@@ -197,7 +197,7 @@ class SpotlightObjective:
                 if n not in self._truth:
                     self._truth[n] = self.truth(ex)
                 idx, valid, vis, k = self._truth[n]
-                sim = self.similarity(model, ex, hard=True).float()  # integers (matching bits)
+                sim = self.similarity(model, ex, hard=True).double()  # integers (matching bits)
                 nk = sim.shape[-1]
                 sim = sim * nk + torch.arange(nk, device=sim.device)  # ties: the newer key, as the method (exact)
                 got, _ = targets.topk_sets(sim, vis, k)
