@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .device import num_sms
+from .reference import check_ties
 from .topk.launch import rows_and_out, scatter_offsets
 
 COARSE_BITS = 6  # the sample's (and the fallback's) first histogram: the top 6 bits
@@ -257,9 +258,7 @@ _SCRATCH: dict[tuple, dict[str, torch.Tensor]] = {}
 
 def tie_flag(ties: str) -> int:
     """1 when ties go to the higher index, 0 to the lower; ValueError otherwise."""
-    if ties not in ("low", "high"):
-        raise ValueError(f"ties must be 'low' or 'high', got {ties!r}")
-    return int(ties == "high")
+    return int(check_ties(ties) == "high")
 
 
 def value_bits(max_value: int) -> int:

@@ -157,6 +157,20 @@ def qk_logits_reference(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tens
     return logits.masked_fill((indices < 0).unsqueeze(2), float("-inf")).reshape(B, Hq, m)
 
 
+def check_ties(ties: str) -> str:
+    """`ties` of the selects: "low" (to the lower index) or "high" (to the higher); ValueError otherwise."""
+    if ties not in ("low", "high"):
+        raise ValueError(f"ties must be 'low' or 'high', got {ties!r}")
+    return ties
+
+
+def reversed_select(select, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`select` (ties to the lower index, each row ascending) run on the reversed rows, mapped back: the same k
+    with ties to the higher index, each row ascending."""
+    n = scores.shape[-1]
+    return (n - 1 - select(scores.flip(-1).contiguous(), k)).flip(-1)
+
+
 def topk_reference(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, config=None,
                    ties: str = "low") -> torch.Tensor:
     """Indices [..., k] int64 of the k largest scores per row, ties to the lower index (`ties="high"`: to the
@@ -168,10 +182,8 @@ def topk_reference(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"topk: k={k} must be between 0 and the row length {n}")
-    if ties not in ("low", "high"):
-        raise ValueError(f"ties must be 'low' or 'high', got {ties!r}")
-    if ties == "high":  # the lower index of the reversed row is the higher one of the row
-        idx = (n - 1 - topk_reference(scores.flip(-1), k)).flip(-1)
+    if check_ties(ties) == "high":
+        idx = reversed_select(topk_reference, scores, k)
         return idx if out is None else out.copy_(idx)
     order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :k]
     idx = order.sort(dim=-1).values

@@ -404,6 +404,11 @@ def manifest_path(path: str | os.PathLike) -> Path:
     return mpath
 
 
+def artifact_paths(spec: str | os.PathLike | None) -> list[str]:
+    """The version folders of an `--artifact` value: one path, or several comma-separated."""
+    return [p for p in (x.strip() for x in str(spec or "").split(",")) if p]
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of a version folder with every check that needs no tensor file: no links, schema, shape, file
     names confined to the folder, at least one file, and the digest over its content. ArtifactError otherwise."""

@@ -121,13 +121,9 @@ def topk(scores: torch.Tensor, k: int, ties: str = "low") -> torch.Tensor:
     if use_kernels(scores.device):
         from sparsekv.kernels.topk import topk as kernel
 
-        if ties not in ("low", "high"):
-            raise ValueError(f"ties must be 'low' or 'high', got {ties!r}")
-        flat = scores.reshape(-1, scores.shape[-1])
-        if ties == "high":  # the lower index of the reversed row is the higher one of the row
-            n = flat.shape[-1]
-            return (n - 1 - kernel(flat.flip(-1).contiguous(), k)).flip(-1).view(*scores.shape[:-1], k)
-        return kernel(flat.contiguous(), k).view(*scores.shape[:-1], k)
+        flat = scores.reshape(-1, scores.shape[-1]).contiguous()
+        idx = kernel(flat, k) if ref.check_ties(ties) == "low" else ref.reversed_select(kernel, flat, k)
+        return idx.view(*scores.shape[:-1], k)
     return ref.topk_reference(scores, k, ties=ties)
 
 

@@ -312,12 +312,12 @@ def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, sc
 
 
 def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: Pooling,
-                   split: BudgetSplit) -> Selection | None:
-    """The kernels' path for methods that rank keys by code distance (Adamas, LSH): the k = split.k keys of
+                   split: BudgetSplit) -> Selection:
+    """The selection of methods that rank keys by code distance (Adamas, LSH, Spotlight): the k = split.k keys of
     [split.lo, split.hi) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
-    summed over each GQA group with pooling "group", by `ops.code_topk` (int16 distances, then the counting
-    select), ties to the newer key (CODE_TIES). None where that kernel does not run (the references, or distances
-    too wide for it): rank `code_scores` with `topk_selection(..., ties=CODE_TIES)` then."""
+    summed over each GQA group with pooling "group", ties to the newer key (CODE_TIES). `ops.code_topk` where its
+    kernel runs (int16 distances, then the counting select); elsewhere (the references, or distances too wide for
+    it) `ops.code_scores` ranked by `topk_selection`, which chooses the same keys."""
     pool = pooling.kernel_pool("sum")
     lo, hi = split.lo, split.hi
     k = min(split.k, hi - lo)
@@ -325,4 +325,7 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
         return split.selection()
     idx = ops.code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits, metric, pool, offset=lo,
                         bounds=split.bounds(), ties=CODE_TIES)
-    return None if idx is None else split.selection(indices=idx, padded=False)
+    if idx is not None:
+        return split.selection(indices=idx, padded=False)
+    scores = ops.code_scores(q_words, codes[:, :, lo:], hi - lo, d, bits=bits, metric=metric, pool=pool)
+    return topk_selection(scores, split, ties=CODE_TIES)  # -distance: closer scores higher

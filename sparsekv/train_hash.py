@@ -57,6 +57,7 @@ from .offline.data import DumpExamples, Example
 from .offline.stage import data_record, fit_and_save, fit_layers
 from .offline.train import TrainConfig, train
 from .progress import Ticker
+from .selection import CODE_TIES
 
 METHOD = "spotlight"
 POOLINGS = ("group", "head")
@@ -199,7 +200,8 @@ class SpotlightObjective:
                 idx, valid, vis, k = self._truth[n]
                 sim = self.similarity(model, ex, hard=True).double()  # integers (matching bits)
                 nk = sim.shape[-1]
-                sim = sim * nk + torch.arange(nk, device=sim.device)  # ties: the newer key, as the method (exact)
+                order = torch.arange(nk, device=sim.device)
+                sim = sim * nk + (order if CODE_TIES == "high" else nk - 1 - order)  # ties as the method breaks them
                 got, _ = targets.topk_sets(sim, vis, k)
                 total = total + targets.iou(targets.set_mask(got, valid, nk), targets.set_mask(idx, valid, nk)).sum(-1)
                 count += ex.q.shape[2]

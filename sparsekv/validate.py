@@ -155,9 +155,9 @@ def artifact(path: str | Path | None, shape: dict | None, model: str, option: st
     manifests alone (no tensor is loaded)."""
     if path is None:
         return
-    from .artifacts import read_manifest
+    from .artifacts import artifact_paths, read_manifest
 
-    for one in filter(None, (p.strip() for p in str(path).split(","))):
+    for one in artifact_paths(path):
         same_model(read_manifest(one).get("model"), shape, model, f"{option} {one}")
 
 

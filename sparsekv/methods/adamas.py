@@ -52,7 +52,7 @@ from .. import ops
 from ..artifacts import load_artifact
 from ..errors import SparseKVError
 from ..pooling import Pooling
-from ..selection import CODE_TIES, BudgetSplit, Selection, code_selection, rerank_exact, topk_selection
+from ..selection import BudgetSplit, Selection, code_selection, rerank_exact, topk_selection
 from .base import CacheShape, LayerState, Method, register
 
 FIXED_THRESHOLDS = {1: (0.0,), 2: (-10.0, 0.0, 10.0), 3: (-15.0, -10.0, -5.0, 0.0, 5.0, 10.0, 15.0)}
@@ -174,12 +174,7 @@ class Adamas(Method):
             return topk_selection(self.ip_scores(state, q, lo, hi), split)
         q_words = ops.quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard,
                                     append=self.take_pending(state))
-        sel = code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split)
-        if sel is not None:  # distances and their top-k by counting
-            return sel
-        scores = ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, D, bits=self.bits, metric=self.distance,
-                                 pool=self.pooling.kernel_pool("sum"))  # -distance: closer scores higher
-        return topk_selection(scores, split, ties=CODE_TIES)
+        return code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split)
 
     def ip_scores(self, state: AdamasState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Distance "ip": the query (Hadamard-transformed, not quantized) against the codes of keys [lo, hi) read as

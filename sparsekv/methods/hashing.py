@@ -13,7 +13,7 @@ import torch
 from sparsekv.kernels.reference import PendingHash
 
 from .. import ops
-from ..selection import CODE_TIES, Selection, code_selection, topk_selection
+from ..selection import Selection, code_selection
 from .base import CacheShape, LayerState, Method
 
 
@@ -64,10 +64,7 @@ class HashSelect(Method):
             self.flush(state)
             return split.selection()
         q_words = self.query_words(state, q)
-        sel = code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
-        if sel is not None:  # Hamming distances and their top-k by counting
-            return sel
-        return topk_selection(self.hash_scores(state, q, split.lo, split.hi, q_words=q_words), split, ties=CODE_TIES)
+        return code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
 
     def hash_scores(self, state: HashState, q: torch.Tensor, lo: int, hi: int,
                     q_words: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,10 +69,10 @@ class MethodOptions:
 
     def artifacts(self) -> dict[str, str]:
         """The artifact paths given, by the method each manifest names (read here: a bad path fails now)."""
-        from ..artifacts import read_manifest
+        from ..artifacts import artifact_paths, read_manifest
 
         by_method: dict[str, str] = {}
-        for path in filter(None, (p.strip() for p in str(self.artifact or "").split(","))):
+        for path in artifact_paths(self.artifact):
             method = str(read_manifest(path).get("method"))
             if method in by_method:
                 raise SparseKVError(f"--artifact: {by_method[method]} and {path} were both written for {method}; "
