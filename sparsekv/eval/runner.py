@@ -175,7 +175,8 @@ def _result(lm, task, spec, method, seq_len, seed, dense_layers, samples, rows, 
                             for k, v in per_subtask.items()],
             "skipped_subtasks": skipped,
             "tokenizer": tokenizer_name(lm),
-            "template": samples[0].template,
+            # the prompt templates of the cell's subtasks (RULER's differ in their haystacks), each once
+            "template": " | ".join(dict.fromkeys(x.template for x in samples)),
             "gen_tokens": sorted({x.max_new_tokens for x in samples}),
             "samples": rows,
         }).to_json()
