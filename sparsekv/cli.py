@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -175,10 +176,17 @@ def _layer_table(t: Table, per_layer: list[dict], mean: dict, cells: dict[str, C
 
 
 def _write_json(path: Optional[Path], payload) -> None:
+    """The result JSON, each object of it with the command line that made it (to rerun it as it was)."""
     from .jsonio import write_json
 
-    if path is not None:
-        console.print(f"wrote {write_json(path, payload)}")
+    if path is None:
+        return
+    command = shlex.join(["sparsekv", *sys.argv[1:]])
+    if isinstance(payload, dict):
+        payload = {**payload, "command": command}
+    elif isinstance(payload, list):
+        payload = [{**x, "command": command} if isinstance(x, dict) else x for x in payload]
+    console.print(f"wrote {write_json(path, payload)}")
 
 
 def _results_table(results: list[dict], title: str) -> Table:

@@ -1,6 +1,7 @@
 """Every bad input gives one clear line on stderr and a non-zero exit; a good eval writes its JSON."""
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -146,6 +147,8 @@ def test_eval_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
     assert [x["method"] for x in rows] == ["oracle", "dense"]
+    assert {x["command"] for x in rows} == {"sparsekv eval --model tiny-random --method oracle,dense --budget 16 "
+                                             f"--seq 300 --n 2 --json {shlex.quote(str(out))}"}
     assert rows[0]["budget"] == 16 and rows[0]["selectivity"] < 0.1 and rows[1]["selectivity"] == 1.0
     assert "oracle" in r.stdout and "dense" in r.stdout
     # not a terminal (a batch job's log): the progress bar also leaves plain lines, at least the last one
@@ -159,6 +162,7 @@ def test_generate_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     g = json.loads(out.read_text())
     assert len(g["tokens"]) == 5 and g["method_config"]["method"] == "streaming"
+    assert g["command"].startswith("sparsekv generate --model tiny-random --prompt 'hello there' --method streaming")
 
 
 def test_generate_takes_the_method_options(tmp_path):
