@@ -175,17 +175,20 @@ def _layer_table(t: Table, per_layer: list[dict], mean: dict, cells: dict[str, C
     return t
 
 
+def _command() -> dict:
+    """What every result JSON object records of the command line that made it (to rerun it as it was)."""
+    return {"command": shlex.join(["sparsekv", *sys.argv[1:]])}
+
+
 def _write_json(path: Optional[Path], payload) -> None:
-    """The result JSON, each object of it with the command line that made it (to rerun it as it was)."""
     from .jsonio import write_json
 
     if path is None:
         return
-    command = shlex.join(["sparsekv", *sys.argv[1:]])
     if isinstance(payload, dict):
-        payload = {**payload, "command": command}
+        payload = {**payload, **_command()}
     elif isinstance(payload, list):
-        payload = [{**x, "command": command} if isinstance(x, dict) else x for x in payload]
+        payload = [{**x, **_command()} if isinstance(x, dict) else x for x in payload]
     console.print(f"wrote {write_json(path, payload)}")
 
 
@@ -294,7 +297,7 @@ def eval_cmd(
         require_matplotlib()  # fail before the run, not after
     lm = _load(model, device, dtype)
     with _progress() as progress:
-        results = evaluate(lm, cfg, progress, checkpoint=json_out)
+        results = evaluate(lm, cfg, progress, checkpoint=json_out, stamp=_command())
     console.print(_results_table(results, f"{task} on {lm.name}"))
     sub = _subtask_table(results, f"{task} per subtask (score 0-100)")
     if sub is not None:

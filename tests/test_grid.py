@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_long_grid_saves_the_cells_so_far(tiny, tmp_path, monkeypatch):
     """A stopped job keeps what it measured: the grid rewrites its checkpoint while it runs, cells marked
-    incomplete."""
+    incomplete and stamped with what the caller gives (the CLI: its command line)."""
     out = tmp_path / "r.json"
     evaluate(tiny, EvalConfig("passkey", ["dense"], [16.0], [300], n=2), checkpoint=out)
     assert not out.exists()  # a short run: nothing saved (at most one save a minute)
@@ -26,9 +26,10 @@ def test_long_grid_saves_the_cells_so_far(tiny, tmp_path, monkeypatch):
     write = grid.write_json
     monkeypatch.setattr(grid, "CHECKPOINT_S", 0.0)
     monkeypatch.setattr(grid, "write_json", lambda path, payload: (saved.append(payload), write(path, payload)))
-    results = evaluate(tiny, EvalConfig("passkey", ["dense", "oracle"], [16.0], [300], n=3), checkpoint=out)
+    results = evaluate(tiny, EvalConfig("passkey", ["dense", "oracle"], [16.0], [300], n=3), checkpoint=out,
+                       stamp={"command": "sparsekv eval ..."})
     assert [[c["n"] for c in p] for p in saved] == [[1, 1], [2, 2], [3, 3]]  # after every prompt
-    assert all(c["complete"] is False for p in saved for c in p)
+    assert all(c["complete"] is False and c["command"] == "sparsekv eval ..." for p in saved for c in p)
     assert all(c["complete"] is True for c in results) and [c["n"] for c in results] == [3, 3]
     on_disk = json.loads(out.read_text())
     assert [c["method"] for c in on_disk] == ["dense", "oracle"] and on_disk[0]["complete"] is False

@@ -162,19 +162,21 @@ def cells_payload(results: list[dict], total_cells: int) -> dict | list[dict]:
     return results[0] if total_cells == 1 and len(results) == 1 else results
 
 
-def evaluate(lm: LoadedModel, cfg: EvalConfig, progress: Any = None,
-             checkpoint: str | Path | None = None) -> list[dict]:
-    """Run the grid (module docstring). `progress`: a rich Progress or a callable(done, total)."""
+def evaluate(lm: LoadedModel, cfg: EvalConfig, progress: Any = None, checkpoint: str | Path | None = None,
+             stamp: dict | None = None) -> list[dict]:
+    """Run the grid (module docstring). `progress`: a rich Progress or a callable(done, total); `stamp`: fields
+    added to every cell of the checkpoint file (the CLI's command line)."""
     cfg.check()
     tick = Ticker(progress, None, cfg.task)
     if cfg.task == "ppl":
         return _ppl(lm, cfg, tick)
     if cfg.task == "recall":
         return _recall(lm, cfg, tick)
-    return _generation(lm, cfg, tick, checkpoint)
+    return _generation(lm, cfg, tick, checkpoint, stamp or {})
 
 
-def _generation(lm: LoadedModel, cfg: EvalConfig, tick: Ticker, checkpoint: str | Path | None) -> list[dict]:
+def _generation(lm: LoadedModel, cfg: EvalConfig, tick: Ticker, checkpoint: str | Path | None,
+                stamp: dict) -> list[dict]:
     """Passkey and RULER: per length, make the prompts, then run every cell sample-major."""
     specs = cfg.specs()
     task_options = {"subtasks": cfg.subtasks, "haystack_file": cfg.haystack_file} if cfg.task == "ruler" else {}
@@ -186,7 +188,7 @@ def _generation(lm: LoadedModel, cfg: EvalConfig, tick: Ticker, checkpoint: str 
         nonlocal last_save
         if checkpoint is not None and time.perf_counter() - last_save >= CHECKPOINT_S:
             cells = [{**c, "skipped_subtasks": skipped} for c in partial()]
-            write_json(checkpoint, cells_payload(results + cells, len(specs) * len(cfg.seqs)))
+            write_json(checkpoint, cells_payload([{**c, **stamp} for c in results + cells], len(specs) * len(cfg.seqs)))
             last_save = time.perf_counter()
 
     for L in cfg.seqs:
