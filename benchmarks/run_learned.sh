@@ -42,6 +42,9 @@ if [[ " $parts " == *" spotlight "* ]]; then
         --dense-layers 0,1 --device cpu --json "$out/recall-spotlight-smollm2-jargon-heldout-cpu.json"
     $sk eval "${niah[@]}" --method dense,oracle,spotlight --artifact "$spot" --budget 0.02 --dense-layers 0,1 \
         --json "$out/niah-spotlight-smollm2-$tag.json" "$@"
+    # "Spotlight at 2 %, 520 prompts a cell": 65 prompts per subtask (the later --n wins), another prompt set
+    $sk eval "${niah[@]}" --n 65 --seed 1 --method dense,oracle,spotlight --artifact "$spot" --budget 0.02 \
+        --dense-layers 0,1 --json "$out/niah-spotlight-520-smollm2-$tag.json" "$@"
     $sk eval --task passkey --seq 4096,8192 --n 100 --batch 8 --method dense,oracle,spotlight --artifact "$spot" \
         --budget 0.02 --dense-layers 0,1 --json "$out/passkey-spotlight-smollm2-$tag.json" "$@"
     $sk eval --task ppl --text-file "$work/heldout.txt" --seq 4096 --n 4 --method dense,oracle,spotlight \
