@@ -66,11 +66,8 @@ class HashSelect(Method):
         q_words = self.query_words(state, q)
         return code_selection(q_words, state.codes, self.nbits, 1, "l1", self.pooling, split)
 
-    def hash_scores(self, state: HashState, q: torch.Tensor, lo: int, hi: int,
-                    q_words: torch.Tensor | None = None) -> torch.Tensor:
-        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group".
-        q_words: the queries' codes when the caller has them (`query_words`)."""
-        if q_words is None:
-            q_words = self.query_words(state, q)
-        return ops.code_scores(q_words, state.codes[:, :, lo:], hi - lo, self.nbits, bits=1, metric="l1",
-                               pool=self.pooling.kernel_pool("sum"))
+    def hash_scores(self, state: HashState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """-Hamming(H(q), H(k)) of keys [lo, hi): [B, Hsel, hi - lo], summed over the group with pooling "group"
+        (what `select` ranks)."""
+        return ops.code_scores(self.query_words(state, q), state.codes[:, :, lo:], hi - lo, self.nbits, bits=1,
+                               metric="l1", pool=self.pooling.kernel_pool("sum"))
