@@ -185,10 +185,11 @@ def _write_json(path: Optional[Path], payload) -> None:
 
     if path is None:
         return
+    stamp = _command()
     if isinstance(payload, dict):
-        payload = {**payload, **_command()}
+        payload = {**payload, **stamp}
     elif isinstance(payload, list):
-        payload = [{**x, **_command()} if isinstance(x, dict) else x for x in payload]
+        payload = [{**x, **stamp} if isinstance(x, dict) else x for x in payload]
     console.print(f"wrote {write_json(path, payload)}")
 
 

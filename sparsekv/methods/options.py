@@ -10,6 +10,7 @@ that each need their own (`--method adamas,spotlight --artifact ADAMAS,SPOTLIGHT
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,10 @@ class MethodOptions:
             out["artifact"] = str(out["artifact"])
         return out
 
+    @cached_property
     def artifacts(self) -> dict[str, str]:
-        """The artifact paths given, by the method each manifest names (read here: a bad path fails now)."""
+        """The artifact paths given, by the method each manifest names: read once per options object (at the first
+        use: a bad path fails then), not once per method and budget."""
         from ..artifacts import artifact_paths, read_manifest
 
         by_method: dict[str, str] = {}
@@ -88,7 +91,7 @@ class MethodOptions:
         takes = cls.option_names() if cls is not None else frozenset()
         out = {k: v for k, v in self.given().items() if k in takes and k != "artifact"}
         if "artifact" in takes and self.artifact:
-            path = self.artifacts().get(name)
+            path = self.artifacts.get(name)
             if path is not None:
                 out["artifact"] = path
         return out
@@ -96,7 +99,7 @@ class MethodOptions:
     def check(self, methods: list[str]) -> None:
         """An option that no method of the run takes is a mistake to report, and so is an artifact for a method
         the run does not have."""
-        for method, path in self.artifacts().items():
+        for method, path in self.artifacts.items():
             if method not in methods:
                 raise SparseKVError(f"--artifact {path} was written for {method}; the methods of the run are "
                                     f"{', '.join(methods)}")
