@@ -328,6 +328,56 @@ def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr
     return tl.sum(tl.sum(d, axis=2), axis=1)
 
 
+# A candidate packs a query head's distance to a key with the key's place in its block: (distance << 13) | local,
+# local counted from the block's end with ties to the higher index, so the smaller int32 is the better key.
+_LOCAL_BITS = 13
+_NO_CAND = 0x7FFFFFFF
+
+
+@triton.jit
+def _block_nearest(dist, valid, OUT, M: tl.constexpr, BLOCK_L: tl.constexpr, TIES_HIGH: tl.constexpr):
+    """The M best of a block's keys for one query head (valid ones; _NO_CAND pads), packed, best first."""
+    local = tl.arange(0, BLOCK_L)
+    cand = tl.where(valid, (dist << 13) | ((BLOCK_L - 1 - local) if TIES_HIGH else local), 0x7FFFFFFF)
+    for j in tl.static_range(M):
+        best = tl.min(cand, axis=0)
+        tl.store(OUT + j, best)
+        cand = tl.where(cand == best, 0x7FFFFFFF, cand)  # packed candidates are unique: one key leaves
+
+
+@triton.jit
+def _force_head_top_kernel(CAND, DIST, n_cand, Hkv, stride_db, stride_dh,
+                           G: tl.constexpr, M: tl.constexpr, BLOCK_L: tl.constexpr, TIES_HIGH: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """One program per (batch row, KV head): each of the group's query heads takes its M best keys from the blocks'
+    candidates (M passes, each the smallest key above the last) and sets their pooled distance to 0, below every
+    other key's (the distance kernel added 1 to those)."""
+    row = tl.program_id(0)
+    b = row // Hkv
+    kv = row % Hkv
+    c = tl.arange(0, BLOCK_C)
+    none = tl.full([BLOCK_C], 1 << 62, tl.int64)
+    for g in tl.static_range(G):
+        base = CAND + (row * G + g) * n_cand
+        last = tl.full([], -1, tl.int64)
+        for j in tl.static_range(M):
+            best = tl.full([], 1 << 62, tl.int64)
+            for start in range(0, n_cand, BLOCK_C):
+                i = start + c
+                v = tl.load(base + i, mask=i < n_cand, other=0x7FFFFFFF)
+                tb = v & ((1 << 13) - 1)
+                key_idx = (i // M) * BLOCK_L + ((BLOCK_L - 1 - tb) if TIES_HIGH else tb)
+                order = (2147483647 - key_idx) if TIES_HIGH else key_idx  # the tie rule, across blocks
+                key = ((v >> 13).to(tl.int64) << 32) | order.to(tl.int64)
+                key = tl.where((v != 0x7FFFFFFF) & (key > last), key, none)
+                best = tl.minimum(best, tl.min(key, axis=0))
+            low = (best & 0xFFFFFFFF).to(tl.int32)
+            key_idx = (2147483647 - low) if TIES_HIGH else low
+            tl.store(DIST + b * stride_db + kv * stride_dh + key_idx, tl.zeros([], DIST.dtype.element_ty),
+                     mask=best < (1 << 62))
+            last = best
+
+
 @triton.jit
 def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
@@ -336,7 +386,8 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           LANE_BITS: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
                           PW2: tl.constexpr, L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
                           BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr,
-                          BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0, DENSE_ROWS: tl.constexpr = False):
+                          BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0, DENSE_ROWS: tl.constexpr = False,
+                          CAND=None, HEAD_TOP: tl.constexpr = 0, TIES_HIGH: tl.constexpr = False):
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -417,10 +468,16 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
             tl.store(o_base + (kv * G + g) * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
         elif POOL == 1:
             pooled += dist
+            if HEAD_TOP > 0:  # this block's candidates for the query head's own nearest keys
+                valid = k_ok & inside if BOUNDS else k_ok
+                _block_nearest(dist, valid, CAND + ((bh * G + g) * tl.num_programs(0) + pid_l) * HEAD_TOP, HEAD_TOP,
+                               BLOCK_L, TIES_HIGH)
         else:
             pooled = tl.minimum(pooled, dist)
     if POOL != 0:
         val = pooled
+        if HEAD_TOP > 0:  # 0 is kept for the keys a head forces (_force_head_top)
+            val += 1
         if NEGATE:
             val = (-pooled).to(tl.float32)
         if BOUNDS:
@@ -451,11 +508,13 @@ def _kv_heads(Hq: int, k_words: torch.Tensor, length: int) -> int:
 
 
 def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps,
-                     popc=None, bounds=None, fill=0):
+                     popc=None, bounds=None, fill=0, head_top=0, ties="low"):
     """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype.
     popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
     int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2).
-    bounds: RowBounds; keys outside a row's region get `fill` instead of their distance."""
+    bounds: RowBounds; keys outside a row's region get `fill` instead of their distance.
+    head_top m > 0 (pool "sum", distances out): the pooled distances + 1, then 0 for each query head's m nearest
+    keys of the region (ties as `ties`), found from every block's m best (a second, small launch)."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -497,6 +556,11 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     else:  # the unpacked key tile [BLOCK_L, BLOCK_W, PW2] does: about 8K codes per program
         BLOCK_L = block_l or max(16, 8192 // (BLOCK_W * triton.next_power_of_2(pw)))
     grid = (triton.cdiv(length, BLOCK_L), B * Hkv)
+    cand = None
+    if head_top:
+        if pool != "sum" or negate or BLOCK_L > 1 << _LOCAL_BITS:
+            raise ValueError("head_top needs pool='sum', distances out and blocks of at most 8192 keys")
+        cand = torch.empty(B, Hq, grid[0], head_top, dtype=torch.int32, device=q_words.device)
     if bounds is not None:
         bounds.check(B, q_words.device)
     lens, b_args = (bounds.lengths, (bounds.span, bounds.sink, bounds.window, bounds.lo)) if bounds is not None \
@@ -510,7 +574,13 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         PW2=triton.next_power_of_2(pw), L2=metric == "l2",
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
         POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill, DENSE_ROWS=kw.stride(2) == NW == BLOCK_W,
+        CAND=cand, HEAD_TOP=head_top, TIES_HIGH=ties == "high",
     )
+    if head_top:
+        n_cand = grid[0] * head_top
+        _force_head_top_kernel[(B * Hkv,)](cand, out, n_cand, Hkv, out.stride(0), out.stride(1), G=G, M=head_top,
+                                           BLOCK_L=BLOCK_L, TIES_HIGH=ties == "high",
+                                           BLOCK_C=min(triton.next_power_of_2(n_cand), 4096))
     return out
 
 
@@ -543,8 +613,8 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
               metric: str = "l1", *, pool: str | None = None, offset: int = 0, keep: torch.Tensor | None = None,
-              bounds: RowBounds | None = None, ties: str = "low", block_l: int | None = None, num_warps: int = 4,
-              _chunk: int | None = None, _tile: int | None = None) -> torch.Tensor:
+              bounds: RowBounds | None = None, ties: str = "low", head_top: int = 0, block_l: int | None = None,
+              num_warps: int = 4, _chunk: int | None = None, _tile: int | None = None) -> torch.Tensor:
     """Indices + offset, int64 [B, H_out, k], of the k keys (of the first `length`) nearest each query, pooled as
     in code_distance: the distance kernel writes int16 distances, which the counting select (`count_select.py`: a
     sampled window, one histogram pass and emit, the distances in L2) turns into indices. Exact: ties go to the
@@ -556,15 +626,20 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     Rows whose distances can reach 2^14 (e.g. 3-bit L2 pooled over 8 heads) raise ValueError: use code_scores +
     topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]) or `bounds`
     (RowBounds: the same as a region per row, applied inside the distance kernel with no mask tensor; its `lo` is
-    where k_words was sliced): keys outside are chosen last (given the largest value the select counts)."""
-    vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool))
+    where k_words was sliced): keys outside are chosen last (given the largest value the select counts).
+    `head_top` m (pool "sum"): each query head's own m nearest keys of the region come first (ties as `ties`), the
+    rest by the group's summed distance: a head whose match the group's sum would dilute still gets it (the
+    reference: `head_top_reference` on the per-head distances, forced keys ranked above the rest)."""
+    if head_top < 0 or (head_top and (pool != "sum" or keep is not None)):
+        raise ValueError(f"head_top={head_top} needs pool='sum' and a region as bounds (not keep)")
+    vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool)) + (1 if head_top else 0)
     count_select.value_bits(vmax)  # ValueError before any work
     count_select.tie_flag(ties)
     if not 0 <= k <= length:
         raise ValueError(f"k={k} must be between 0 and the {length} keys")
     fill = (1 << count_select.value_bits(vmax)) - 1
     dist = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l, num_warps,
-                            bounds=bounds, fill=fill)
+                            bounds=bounds, fill=fill, head_top=head_top, ties=ties)
     if keep is not None:
         dist.masked_fill_(~keep, fill)
     return count_select.smallest_k(dist, k, vmax, offset=offset, ties=ties, _chunk=_chunk, _tile=_tile)
@@ -671,9 +746,10 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
     return out
 
 
-def code_topk_supported(d: int, bits: int, metric: str, group: int) -> bool:
-    """Whether code_topk handles rows pooled over `group` query heads (their largest distance fits its counting)."""
-    return _max_distance(d, bits, metric, group).bit_length() <= count_select.MAX_BITS
+def code_topk_supported(d: int, bits: int, metric: str, group: int, head_top: int = 0) -> bool:
+    """Whether code_topk handles rows pooled over `group` query heads (their largest distance, + 1 with head_top,
+    fits its counting)."""
+    return (_max_distance(d, bits, metric, group) + (1 if head_top else 0)).bit_length() <= count_select.MAX_BITS
 
 
 def _group(q_words: torch.Tensor, k_words: torch.Tensor, pool: str | None) -> int:

@@ -442,6 +442,23 @@ def code_scores_reference(q_words: torch.Tensor, k_words: torch.Tensor, length: 
     return -code_distance_reference(qw, k_words[:, :, :length], d, bits, metric, pool).float()
 
 
+def head_top_reference(scores: torch.Tensor, kv_heads: int, m: int, keep: torch.Tensor | None = None,
+                       ties: str = "low") -> torch.Tensor:
+    """Each query head's m best keys, as a mask over its KV head's keys: bool [B, kv_heads, n] from per-query-head
+    scores [B, Hq, n] (higher = better), ties as `ties`; only keys inside `keep` (bool, broadcastable to [B, 1, n])
+    count, so a head with fewer allowed keys forces fewer. What `codes.code_topk(head_top=m)` chooses first."""
+    B, Hq, n = scores.shape
+    if Hq % kv_heads:
+        raise ValueError(f"{Hq} query heads are not a multiple of {kv_heads} KV heads")
+    s = scores.float()
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    idx = topk_reference(s, min(m, n), ties=ties)
+    forced = torch.zeros(B, Hq, n, dtype=torch.bool, device=scores.device)
+    forced.scatter_(-1, idx, torch.gather(s, -1, idx) > float("-inf"))
+    return forced.view(B, kv_heads, Hq // kv_heads, n).any(2)
+
+
 def code_ip_scores_reference(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor, length: int, d: int,
                              bits: int = 2, *, pool: str | None = None) -> torch.Tensor:
     """adamas_ip_scores_reference over the first `length` keys: contract of `codes.code_ip_scores`."""

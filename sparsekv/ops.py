@@ -193,20 +193,20 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int, metric: str,
               pool: str | None, offset: int = 0, keep: torch.Tensor | None = None,
-              bounds: ref.RowBounds | None = None, ties: str = "low") -> torch.Tensor | None:
+              bounds: ref.RowBounds | None = None, ties: str = "low", head_top: int = 0) -> torch.Tensor | None:
     """The k nearest keys by code distance, counted in one fused pass (kernels/codes.py::code_topk), or None where
     that kernel does not run (the references, or distances too wide for its counting): rank `code_scores` with
-    `topk` then, which chooses the same keys."""
+    `topk` then (with `head_top`, its keys forced first: `selection.code_selection`), which chooses the same keys."""
     if not use_kernels(q_words.device):
         return None
     from sparsekv.kernels.codes import code_topk as kernel
     from sparsekv.kernels.codes import code_topk_supported
 
     group = q_words.shape[1] // k_words.shape[1] if pool else 1
-    if not code_topk_supported(d, bits, metric, group):
+    if not code_topk_supported(d, bits, metric, group, head_top):
         return None
     return kernel(q_words, k_words, length, d, k, bits=bits, metric=metric, pool=pool, offset=offset, keep=keep,
-                  bounds=bounds, ties=ties)
+                  bounds=bounds, ties=ties, head_top=head_top)
 
 
 def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max",

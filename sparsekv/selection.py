@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from sparsekv.kernels.reference import RowBounds, check_positions, decode_positions
+from sparsekv.kernels.reference import RowBounds, check_positions, decode_positions, head_top_reference
 
 from . import ops
 from .errors import SparseKVError
@@ -312,20 +312,27 @@ def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, sc
 
 
 def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int, metric: str, pooling: Pooling,
-                   split: BudgetSplit) -> Selection:
+                   split: BudgetSplit, head_top: int = 0) -> Selection:
     """The selection of methods that rank keys by code distance (Adamas, LSH, Spotlight): the k = split.k keys of
     [split.lo, split.hi) whose codes [B, Hkv, Lmax, W] lie nearest the query codes q_words [B, Hq, 1, W],
-    summed over each GQA group with pooling "group", ties to the newer key (CODE_TIES). `ops.code_topk` where its
-    kernel runs (int16 distances, then the counting select); elsewhere (the references, or distances too wide for
-    it) `ops.code_scores` ranked by `topk_selection`, which chooses the same keys."""
+    summed over each GQA group with pooling "group", ties to the newer key (CODE_TIES). `head_top` m (pooling
+    "group"): each query head's own m nearest keys are chosen first, the rest by the group's sum (a sharp match of
+    one head, diluted in the sum, is kept). `ops.code_topk` where its kernel runs (int16 distances, then the
+    counting select); elsewhere (the references, or distances too wide for it) `ops.code_scores` ranked by
+    `topk_selection`, which chooses the same keys."""
     pool = pooling.kernel_pool("sum")
+    head_top = head_top if pool else 0  # pooling "head": each query head chooses its own keys anyway
     lo, hi = split.lo, split.hi
     k = min(split.k, hi - lo)
     if k <= 0:
         return split.selection()
     idx = ops.code_topk(q_words, codes[:, :, lo:], hi - lo, d, k, bits, metric, pool, offset=lo,
-                        bounds=split.bounds(), ties=CODE_TIES)
+                        bounds=split.bounds(), ties=CODE_TIES, head_top=head_top)
     if idx is not None:
         return split.selection(indices=idx, padded=False)
     scores = ops.code_scores(q_words, codes[:, :, lo:], hi - lo, d, bits=bits, metric=metric, pool=pool)
+    if head_top:
+        per_head = ops.code_scores(q_words, codes[:, :, lo:], hi - lo, d, bits=bits, metric=metric, pool=None)
+        forced = head_top_reference(per_head, codes.shape[1], head_top, split.keep(), CODE_TIES)
+        scores = scores.float().masked_fill(forced, float("inf"))
     return topk_selection(scores, split, ties=CODE_TIES)  # -distance: closer scores higher

@@ -9,7 +9,7 @@ import torch
 
 from sparsekv.kernels.codes import code_distance, code_topk, code_topk_supported
 from sparsekv.kernels.count_select import MAX_BITS, smallest_k, value_bits
-from sparsekv.kernels.reference import RowBounds
+from sparsekv.kernels.reference import RowBounds, head_top_reference
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -177,6 +177,60 @@ def test_code_topk_ties_and_limits():
         code_topk(qw, kw, 320, 64, 321, pool="sum")
 
 
+def head_top_want(qw, kw, n, D, bits, k, m, ties, lo=0, keep=None):
+    """The reference of code_topk(head_top=m): each query head's m nearest keys (head_top_reference on the per-head
+    distances) ranked above the rest, the rest by the group's summed distance."""
+    Hkv = kw.shape[1]
+    per = code_distance(qw, kw[:, :, lo:], n, D, bits).cpu()
+    pooled = code_distance(qw, kw[:, :, lo:], n, D, bits, pool="sum").cpu()
+    forced = head_top_reference(-per.float(), Hkv, m, None if keep is None else keep.cpu(), ties)
+    values = torch.where(forced, 0, pooled + 1)
+    if keep is not None:
+        values = values.masked_fill(~keep.cpu(), 1 << 14)
+    return smallest_reference(values, k, lo, ties), forced
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,bits,L,k,m,block_l", [
+    (1, 4, 1, 128, 1, 500, 60, 3, 64),  # Spotlight/LSH: 1-bit Hamming over a group of 4
+    (2, 6, 2, 64, 2, 300, 40, 4, 32),  # 2-bit L1, groups of 3
+    (1, 4, 2, 64, 1, 200, 5, 4, 16),  # more forced keys than k: the newest / oldest of them
+    (1, 2, 1, 64, 1, 40, 40, 8, 16),  # k = every key
+])
+@pytest.mark.parametrize("ties", ["low", "high"])
+def test_code_topk_head_top(B, Hq, Hkv, D, bits, L, k, m, block_l, ties):
+    """head_top: each query head's m nearest keys (found from every block's m best, then merged) come first, the
+    rest by the pooled distance: the same keys as the reference, across blocks and chunks."""
+    qw, kw = _codes(B, Hq, Hkv, L + 3, D, bits, L + m)
+    got = code_topk(qw, kw[:, :, 3:], L, D, k, bits, pool="sum", offset=3, ties=ties, head_top=m, block_l=block_l,
+                    _chunk=128)
+    want, forced = head_top_want(qw, kw[:, :, 3:], L, D, bits, k, m, ties)
+    assert torch.equal(got.cpu(), want + 3)
+    assert int(forced.sum()) > m  # the heads of a group force different keys
+    if k >= forced.sum(-1).max():  # every forced key is chosen
+        chosen = torch.zeros_like(forced).scatter_(-1, got.cpu() - 3, True)
+        assert bool((chosen | ~forced).all())
+
+
+def test_code_topk_head_top_in_row_bounds():
+    """Per-row regions (RowBounds, rows of different lengths): a head forces only keys its row may choose, and a row
+    with fewer allowed keys than m forces fewer."""
+    B, Hq, Hkv, D, n, lo, m = 3, 4, 2, 64, 400, 2, 4
+    qw, kw = _codes(B, Hq, Hkv, n + lo, D, 1, 5)
+    bounds = RowBounds(torch.tensor([402, 260, 8], dtype=torch.int32, device=DEV), 0, 2, 3, lo)
+    keep = bounds.mask(n)  # row 2 may choose positions 2, 3 and 4 only
+    for k, ties in ((90, "high"), (3, "low"), (90, "low")):
+        got = code_topk(qw, kw[:, :, lo:], n, D, k, 1, pool="sum", offset=lo, bounds=bounds, ties=ties, head_top=m,
+                        block_l=64, _chunk=128)
+        want, forced = head_top_want(qw, kw, n, D, 1, k, m, ties, lo=lo, keep=keep)
+        assert torch.equal(got.cpu()[:2], want[:2]), (k, ties)  # row 2 has 3 keys to choose: the rest is filler
+        assert torch.equal(got.cpu()[2, :, :3], torch.tensor([[2, 3, 4], [2, 3, 4]]))
+        assert int(forced[2].sum()) == 6  # its 3 allowed keys, for each KV head
+    with pytest.raises(ValueError, match="head_top"):
+        code_topk(qw, kw, n, D, 5, 1, pool=None, head_top=2)
+    with pytest.raises(ValueError, match="head_top"):
+        code_topk(qw, kw, n, D, 5, 1, pool="sum", keep=keep, head_top=2)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_gpu_long_rows_with_ties():
     """The bench's shape: 8 rows of 131072 distances (a few hundred distinct values), k 2048; short rows; and
@@ -199,6 +253,9 @@ def test_gpu_long_rows_with_ties():
     assert torch.equal(code_topk(qw, kw, 131072, 128, 2048).cpu(), smallest_reference(dist, 2048))
     assert torch.equal(code_topk(qw, kw, 131072, 128, 2047, ties="high").cpu(),
                        smallest_reference(dist, 2047, ties="high"))
+    for m, ties in ((4, "high"), (1, "low")):  # each query head's nearest keys first: 512 blocks' candidates merged
+        want, _ = head_top_want(qw, kw, 131072, 128, 2, 2048, m, ties)
+        assert torch.equal(code_topk(qw, kw, 131072, 128, 2048, pool="sum", ties=ties, head_top=m).cpu(), want)
 
 
 def test_plan_caps_chunks(monkeypatch):

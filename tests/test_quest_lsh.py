@@ -6,6 +6,7 @@ GPU), and both run through the real runtime and the bench."""
 import pytest
 import torch
 
+from sparsekv import ops
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
 from sparsekv.methods import CacheShape, MethodOptions, get_method
@@ -276,29 +277,45 @@ def test_lsh_hyperplanes():
     g = get_method("lsh", budget=16, projection="gaussian", nbits=40).hyperplanes(0, 2, 128)
     assert g.shape == (2, 128, 40) and 0.8 < float(g.std()) < 1.2
     cfg = get_method("lsh", budget=64).config()
-    assert (cfg["nbits"], cfg["seed"], cfg["projection"], cfg["sink"], cfg["window"]) == (128, 0, "rotation", 0, 0)
+    assert (cfg["nbits"], cfg["seed"], cfg["projection"], cfg["sink"], cfg["window"], cfg["head_top"]) == \
+        (128, 0, "rotation", 0, 0, 0)
+    assert get_method("lsh", budget=64, head_top=3).config()["head_top"] == 3
+    assert get_method("lsh", budget=64, head_top=3, pooling="head").config()["head_top"] == 0  # per head anyway
     for opts, msg in [({"nbits": 0}, "nbits"), ({"projection": "qr"}, "unknown projection"),
-                      ({"page_size": 16}, "no option")]:
+                      ({"page_size": 16}, "no option"), ({"head_top": -1}, "head_top must be a whole number"),
+                      ({"head_top": True}, "head_top must be")]:
         with pytest.raises(SparseKVError, match=msg):
             get_method("lsh", budget=16, **opts)
 
 
-@pytest.mark.parametrize("nbits,pooling", [(128, "group"), (40, "head"), (128, "head")])
-def test_lsh_kernel_path_equals_torch_path(monkeypatch, nbits, pooling):
-    """quantize_pack_into / code_scores (bits=1, no transform) interpreted on the CPU: same codes, scores, choice."""
+@pytest.mark.parametrize("nbits,pooling,head_top", [(128, "group", 0), (40, "head", 0), (128, "head", 0),
+                                                     (128, "group", 2), (40, "group", 5)])
+def test_lsh_kernel_path_equals_torch_path(monkeypatch, nbits, pooling, head_top):
+    """quantize_pack_into / code_scores (bits=1, no transform) interpreted on the CPU: same codes, scores, choice;
+    with head_top, the fused code_topk and the torch path (head_top_reference) force the same keys."""
     keys = torch.randn(1, 2, 70, 20, generator=_gen(13)).to(DEV)
     q = torch.randn(1, 6, 1, 20, generator=_gen(14)).to(DEV)
     out = []
     for flag in ("0", "1"):
         monkeypatch.setenv("SPARSEKV_KERNELS", flag)
-        m = get_method("lsh", budget=20, nbits=nbits, pooling=pooling, sink=2, window=3)
+        m = get_method("lsh", budget=20, nbits=nbits, pooling=pooling, sink=2, window=3, head_top=head_top)
         st = build(m, keys, [50, 61, *range(62, 71)], q_heads=6)
         out.append((st.codes.cpu(), m.hash_scores(st, q, 2, 67).float().cpu(), m.select(st, q, None)))
     (c0, s0, sel0), (c1, s1, sel1) = out
     assert torch.equal(c0, c1) and torch.equal(s0, s1)
     assert torch.equal(sel0.indices.cpu(), sel1.indices.cpu())  # ties go to the newer key on both paths
     picked = s0.gather(-1, sel0.indices.cpu() - 2).sort(-1).values
-    assert torch.equal(picked, s0.topk(sel0.indices.shape[-1], -1).values.sort(-1).values)
+    best = s0.topk(sel0.indices.shape[-1], -1).values.sort(-1).values
+    if head_top == 0:
+        assert torch.equal(picked, best)
+        return
+    # each query head's own nearest keys (ties: the newer) are in, which the sum alone would not have chosen
+    heads = ops.code_scores(m.query_words(st, q), st.codes[:, :, 2:], 65, nbits, bits=1, metric="l1").float().cpu()
+    order = heads * 1000 + torch.arange(65)  # -Hamming, then the newer key
+    for h in range(6):
+        top = set((order[0, h].topk(head_top).indices + 2).tolist())
+        assert top <= set(sel0.indices[0, h // 3].tolist()), h
+    assert not torch.equal(picked, best)
 
 
 @pytest.mark.parametrize("name", ["lsh", "adamas"])

@@ -45,7 +45,7 @@ def test_choice_is_the_top_k_by_matching_bits(pooling):
     keys = torch.randn(1, 2, 90, 20, generator=_gen(2))
     q = torch.randn(1, 6, 1, 20, generator=_gen(3))
     h = hashes()
-    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h)
+    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h, head_top=0)
     st = build(m, keys, [90], q_heads=6)
     want = matching_bits(q, keys, h, pooling)
     G = 1 if pooling == "head" else 3
@@ -54,6 +54,25 @@ def test_choice_is_the_top_k_by_matching_bits(pooling):
     picked = want.gather(-1, sel.indices).sort(-1).values
     assert torch.equal(picked, want.topk(24, -1).values.sort(-1).values)
     sel.check(1, sel.indices.shape[1])
+    # the default: each query head's 4 best keys by its own matching bits (ties: the newer) first, the sum the rest
+    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h)
+    assert m.config()["head_top"] == (4 if pooling == "group" else 0)
+    st = build(m, keys, [90], q_heads=6)
+    sel = m.select(st, q, None)
+    if pooling == "head":
+        assert torch.equal(want.gather(-1, sel.indices).sort(-1).values, want.topk(24, -1).values.sort(-1).values)
+        return
+    own = matching_bits(q, keys, h, "head") * 1000 + torch.arange(90)  # [1, 6, 90]
+    forced = torch.zeros(1, 2, 90, dtype=torch.bool)
+    for head in range(6):
+        forced[0, head // 3, own[0, head].topk(4).indices] = True
+    chosen = torch.zeros_like(forced).scatter_(-1, sel.indices, True)
+    assert bool((chosen | ~forced).all())
+    rest = want.masked_fill(forced, float("-inf"))  # the others: the best of the sum
+    n_rest = 24 - forced.sum(-1, keepdim=True)
+    for kv in range(2):
+        others = rest[0, kv].gather(-1, (sel.indices[0, kv][~forced[0, kv, sel.indices[0, kv]]])).sort().values
+        assert torch.equal(others, rest[0, kv].topk(int(n_rest[0, kv, 0])).values.sort().values)
 
 
 @pytest.mark.parametrize("pooling", ["group", "head"])

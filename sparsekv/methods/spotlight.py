@@ -14,7 +14,8 @@ Defaults and where they come from:
   is chosen by hash.
 - layers 0 and 1 dense ("Frozen Layers [0,1]", Table 2): the runtime's `--dense-layers 0,1`.
 - pooling: the artifact's (what its hashes were trained for; "group" by default: the group's matching bits summed,
-  one choice per KV head, as `lsh`).
+  one choice per KV head, as `lsh`), with each query head's 4 nearest keys chosen first (`head_top`, ours: the
+  paper does not say how a GQA group shares one choice; sparsekv/methods/hashing.py says why).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class Spotlight(HashSelect):
     default_sink = 0
     default_window = 0
     needs_artifact = True
+    default_head_top = 4
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, artifact: str | Path | None = None,
-                 hashes: dict[str, torch.Tensor] | None = None, **options: Any):
+                 hashes: dict[str, torch.Tensor] | None = None, head_top: int | None = None, **options: Any):
         """`artifact`: a train-hash version folder. `hashes` instead: the tensors themselves (w1, b1, w2, layers as
         train_hash.train_hashes returns them; `untrained_hashes` for speed runs and tests)."""
         if (artifact is None) == (hashes is None):
@@ -64,7 +66,7 @@ class Spotlight(HashSelect):
             cfg, hashes = art.config, art.tensors.get("hash", {})
         if pooling is None:
             pooling = cfg.get("pooling", "group")
-        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
+        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, head_top=head_top, **options)
         where = f"the artifact at {self.artifact}" if self.artifact else "the hashes given"
         missing = [k for k in ("w1", "b1", "w2", "layers") if k not in hashes]
         if missing:
