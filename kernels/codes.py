@@ -366,8 +366,8 @@ def _force_head_top_kernel(CAND, DIST, n_cand, Hkv, stride_db, stride_dh,
                 i = start + c
                 v = tl.load(base + i, mask=i < n_cand, other=0x7FFFFFFF)
                 tb = v & ((1 << 13) - 1)
-                key_idx = (i // M) * BLOCK_L + ((BLOCK_L - 1 - tb) if TIES_HIGH else tb)
-                order = (2147483647 - key_idx) if TIES_HIGH else key_idx  # the tie rule, across blocks
+                at = (i // M) * BLOCK_L + ((BLOCK_L - 1 - tb) if TIES_HIGH else tb)  # the key's index in the row
+                order = (2147483647 - at) if TIES_HIGH else at  # the tie rule, across blocks
                 key = ((v >> 13).to(tl.int64) << 32) | order.to(tl.int64)
                 key = tl.where((v != 0x7FFFFFFF) & (key > last), key, none)
                 best = tl.minimum(best, tl.min(key, axis=0))
