@@ -310,6 +310,24 @@ def _bytes_to_int(acc):
 
 
 @triton.jit
+def _hamming(k, q, LANE_BITS: tl.constexpr, POPC: tl.constexpr, BYTE_SUM: tl.constexpr):
+    """Hamming distances [BL] of key lanes k [BL, BW] (int32, 16-bit lanes masked to their bits) to query lanes q
+    [BW]: a POPC per lane's xor on CUDA, a SWAR popcount into per-byte counts in the interpreter."""
+    q = q.to(tl.int32)
+    if LANE_BITS == 16:
+        q = q & 0xFFFF
+    if POPC:
+        dist = tl.sum(_popc(k ^ q[None, :]), axis=1)
+    else:
+        part = _popcount_bytes(k ^ q[None, :])
+        if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
+            dist = _bytes_to_int(tl.sum(part, axis=1))
+        else:
+            dist = tl.sum(_bytes_to_int(part), axis=1)
+    return dist
+
+
+@triton.jit
 def _fields(words, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr):
     """16-bit words [..., BW] (>= 0) -> their codes [..., BW, PW2] (slots >= PW read 0)."""
     slot = tl.arange(0, PW2)
@@ -328,54 +346,84 @@ def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr
     return tl.sum(tl.sum(d, axis=2), axis=1)
 
 
-# A candidate packs a query head's distance to a key with the key's place in its block: (distance << 13) | local,
-# local counted from the block's end with ties to the higher index, so the smaller int32 is the better key.
+# A block's candidate packs a query head's smallest distance in it with that key's place in the block:
+# (distance << 13) | local, local counted from the block's end with ties to the higher index, so the smaller int32 is
+# the better key; 0x7FFFFFFF: no valid key.
 _LOCAL_BITS = 13
-_NO_CAND = 0x7FFFFFFF
 
 
 @triton.jit
-def _block_nearest(dist, valid, OUT, M: tl.constexpr, BLOCK_L: tl.constexpr, TIES_HIGH: tl.constexpr):
-    """The M best of a block's keys for one query head (valid ones; _NO_CAND pads), packed, best first."""
-    local = tl.arange(0, BLOCK_L)
-    cand = tl.where(valid, (dist << 13) | ((BLOCK_L - 1 - local) if TIES_HIGH else local), 0x7FFFFFFF)
-    for j in tl.static_range(M):
-        best = tl.min(cand, axis=0)
-        tl.store(OUT + j, best)
-        cand = tl.where(cand == best, 0x7FFFFFFF, cand)  # packed candidates are unique: one key leaves
+def _order_keys(dist, at, TIES_HIGH: tl.constexpr):
+    """int64 keys ordered as the select orders keys: distance, then the tie rule (the higher index first)."""
+    order = (2147483647 - at) if TIES_HIGH else at
+    return (dist.to(tl.int64) << 32) | order.to(tl.int64)
 
 
 @triton.jit
-def _force_head_top_kernel(CAND, DIST, n_cand, Hkv, stride_db, stride_dh,
-                           G: tl.constexpr, M: tl.constexpr, BLOCK_L: tl.constexpr, TIES_HIGH: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-    """One program per (batch row, KV head): each of the group's query heads takes its M best keys from the blocks'
-    candidates (M passes, each the smallest key above the last) and sets their pooled distance to 0, below every
-    other key's (the distance kernel added 1 to those)."""
-    row = tl.program_id(0)
-    b = row // Hkv
-    kv = row % Hkv
+def _index_of(key, TIES_HIGH: tl.constexpr):
+    low = (key & 0xFFFFFFFF).to(tl.int32)
+    return (2147483647 - low) if TIES_HIGH else low
+
+
+@triton.jit
+def _block_keys(CAND, i, n_blocks, BLOCK_L: tl.constexpr, TIES_HIGH: tl.constexpr):
+    """Blocks i's candidates as _order_keys of their keys (2^62: none, or past n_blocks)."""
+    v = tl.load(CAND + i, mask=i < n_blocks, other=0x7FFFFFFF)
+    tb = v & ((1 << 13) - 1)
+    key = _order_keys(v >> 13, i * BLOCK_L + ((BLOCK_L - 1 - tb) if TIES_HIGH else tb), TIES_HIGH)
+    return tl.where(v != 0x7FFFFFFF, key, 1 << 62)
+
+
+@triton.jit
+def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
+                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_db, stride_dh,
+                           LENS, span, sink, window, lo,
+                           G: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, LANE_BITS: tl.constexpr,
+                           POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr,
+                           BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr,
+                           BOUNDS: tl.constexpr):
+    """One program per (batch row, query head) sets the pooled distance of the head's M nearest keys to 0, below
+    every other key's (the distance kernel added 1 to those). Those keys lie in the M blocks whose nearest keys are
+    the M best of the blocks' (M keys of those blocks beat any key of another), so the program takes these blocks
+    from the candidates (M passes, each the smallest above the last), reads their codes again for its query (M x
+    BLOCK_L keys) and takes their M best. The heads of a group write the same zeros."""
+    row = tl.program_id(0)  # b * Hq + query head
+    b = row // (Hkv * G)
+    h = row % (Hkv * G)
+    kv = h // G
+    base = CAND + row * n_blocks
     c = tl.arange(0, BLOCK_C)
-    none = tl.full([BLOCK_C], 1 << 62, tl.int64)
-    for g in tl.static_range(G):
-        base = CAND + (row * G + g) * n_cand
-        last = tl.full([], -1, tl.int64)
-        for j in tl.static_range(M):
-            best = tl.full([], 1 << 62, tl.int64)
-            for start in range(0, n_cand, BLOCK_C):
-                i = start + c
-                v = tl.load(base + i, mask=i < n_cand, other=0x7FFFFFFF)
-                tb = v & ((1 << 13) - 1)
-                at = (i // M) * BLOCK_L + ((BLOCK_L - 1 - tb) if TIES_HIGH else tb)  # the key's index in the row
-                order = (2147483647 - at) if TIES_HIGH else at  # the tie rule, across blocks
-                key = ((v >> 13).to(tl.int64) << 32) | order.to(tl.int64)
-                key = tl.where((v != 0x7FFFFFFF) & (key > last), key, none)
-                best = tl.minimum(best, tl.min(key, axis=0))
-            low = (best & 0xFFFFFFFF).to(tl.int32)
-            key_idx = (2147483647 - low) if TIES_HIGH else low
-            tl.store(DIST + b * stride_db + kv * stride_dh + key_idx, tl.zeros([], DIST.dtype.element_ty),
-                     mask=best < (1 << 62))
-            last = best
+    r = tl.arange(0, M_P2 * BLOCK_L)  # the blocks' keys, one block after another (M_P2 >= M: a power of 2)
+    blk = tl.full([M_P2 * BLOCK_L], -1, tl.int32)
+    last = tl.full([], -1, tl.int64)
+    held = _block_keys(base, c, n_blocks, BLOCK_L, TIES_HIGH)  # the first BLOCK_C blocks' keys, in registers
+    for j in tl.static_range(M):  # the M best blocks
+        best = tl.min(tl.where(held > last, held, 1 << 62), axis=0)
+        for start in range(BLOCK_C, n_blocks, BLOCK_C):  # more blocks than one tile holds
+            key = _block_keys(base, start + c, n_blocks, BLOCK_L, TIES_HIGH)
+            best = tl.minimum(best, tl.min(tl.where(key > last, key, 1 << 62), axis=0))
+        blk = tl.where((r // BLOCK_L == j) & (best < (1 << 62)), _index_of(best, TIES_HIGH) // BLOCK_L, blk)
+        last = best
+    keys = blk * BLOCK_L + r % BLOCK_L
+    ok = (blk >= 0) & (keys < length)
+    if BOUNDS:  # the row's own region, as in the distance kernel
+        L = tl.load(LENS + b).to(tl.int32)
+        pos = lo + keys
+        ok = ok & (pos >= window_first(L, span) + sink) & (pos < L - window)
+    w = tl.arange(0, BLOCK_W)
+    w_ok = w < NW
+    k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
+                mask=ok[:, None] & w_ok[None, :], other=0).to(tl.int32)
+    if LANE_BITS == 16:
+        k = k & 0xFFFF
+    q = tl.load(QW + b * stride_qb + h * stride_qh + w, mask=w_ok, other=0)
+    key = tl.where(ok, _order_keys(_hamming(k, q, LANE_BITS, POPC, BYTE_SUM), keys, TIES_HIGH), 1 << 62)
+    last = tl.full([], -1, tl.int64)
+    for j in tl.static_range(M):  # the M best keys of those blocks
+        best = tl.min(tl.where(key > last, key, 1 << 62), axis=0)
+        tl.store(DIST + b * stride_db + kv * stride_dh + _index_of(best, TIES_HIGH),
+                 tl.zeros([], DIST.dtype.element_ty), mask=best < (1 << 62))
+        last = best
 
 
 @triton.jit
@@ -446,17 +494,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                 else:
                     dist = tl.sum(_bytes_to_int(part), axis=1)
         elif HAMMING:
-            q = q.to(tl.int32)
-            if LANE_BITS == 16:
-                q = q & 0xFFFF
-            if POPC:
-                dist = tl.sum(_popc(k ^ q[None, :]), axis=1)
-            else:
-                part = _popcount_bytes(k ^ q[None, :])
-                if BYTE_SUM:  # bytes summed over the row stay <= 255
-                    dist = _bytes_to_int(tl.sum(part, axis=1))
-                else:
-                    dist = tl.sum(_bytes_to_int(part), axis=1)
+            dist = _hamming(k, q, LANE_BITS, POPC, BYTE_SUM)
         else:
             dist = _dist_generic(kf, q.to(tl.int32) & 0xFFFF, BITS, PW, PW2, L2)
         if POOL == 0:
@@ -468,10 +506,11 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
             tl.store(o_base + (kv * G + g) * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
         elif POOL == 1:
             pooled += dist
-            if HEAD_TOP > 0:  # this block's candidates for the query head's own nearest keys
+            if HEAD_TOP > 0:  # the query head's nearest key of this block (_force_head_top_kernel)
                 valid = k_ok & inside if BOUNDS else k_ok
-                _block_nearest(dist, valid, CAND + ((bh * G + g) * tl.num_programs(0) + pid_l) * HEAD_TOP, HEAD_TOP,
-                               BLOCK_L, TIES_HIGH)
+                local = tl.arange(0, BLOCK_L)
+                cand = tl.where(valid, (dist << 13) | ((BLOCK_L - 1 - local) if TIES_HIGH else local), 0x7FFFFFFF)
+                tl.store(CAND + (bh * G + g) * tl.num_programs(0) + pid_l, tl.min(cand, axis=0))
         else:
             pooled = tl.minimum(pooled, dist)
     if POOL != 0:
@@ -513,8 +552,9 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
     int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2).
     bounds: RowBounds; keys outside a row's region get `fill` instead of their distance.
-    head_top m > 0 (pool "sum", distances out): the pooled distances + 1, then 0 for each query head's m nearest
-    keys of the region (ties as `ties`), found from every block's m best (a second, small launch)."""
+    head_top m > 0 (1-bit codes, pool "sum", distances out): the pooled distances + 1, then 0 for each query head's
+    m nearest keys of the region (ties as `ties`): every block's nearest key per query head, then a second, small
+    launch (_force_head_top_kernel)."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -558,9 +598,9 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     grid = (triton.cdiv(length, BLOCK_L), B * Hkv)
     cand = None
     if head_top:
-        if pool != "sum" or negate or BLOCK_L > 1 << _LOCAL_BITS:
-            raise ValueError("head_top needs pool='sum', distances out and blocks of at most 8192 keys")
-        cand = torch.empty(B, Hq, grid[0], head_top, dtype=torch.int32, device=q_words.device)
+        if pool != "sum" or negate or not hamming or BLOCK_L > 1 << _LOCAL_BITS:
+            raise ValueError("head_top needs 1-bit codes, pool='sum', distances out and blocks of at most 8192 keys")
+        cand = torch.empty(B, Hq, grid[0], dtype=torch.int32, device=q_words.device)
     if bounds is not None:
         bounds.check(B, q_words.device)
     lens, b_args = (bounds.lengths, (bounds.span, bounds.sink, bounds.window, bounds.lo)) if bounds is not None \
@@ -577,10 +617,14 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         CAND=cand, HEAD_TOP=head_top, TIES_HIGH=ties == "high",
     )
     if head_top:
-        n_cand = grid[0] * head_top
-        _force_head_top_kernel[(B * Hkv,)](cand, out, n_cand, Hkv, out.stride(0), out.stride(1), G=G, M=head_top,
-                                           BLOCK_L=BLOCK_L, TIES_HIGH=ties == "high",
-                                           BLOCK_C=min(triton.next_power_of_2(n_cand), 4096))
+        _force_head_top_kernel[(B * Hq,)](
+            cand, qw, kw, out, grid[0], length, Hkv,
+            qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
+            lens, *b_args,
+            G=G, M=head_top, NW=NW, LANE_BITS=qw.element_size() * 8, POPC=popc > 0, BYTE_SUM=NW * 8 <= 255,
+            BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, BLOCK_C=min(triton.next_power_of_2(grid[0]), 2048),
+            M_P2=triton.next_power_of_2(head_top), TIES_HIGH=ties == "high", BOUNDS=bounds is not None,
+            num_warps=8)  # its reductions run one after another: 8 warps took 27.3 µs for code_topk, 4 took 29.0
     return out
 
 
@@ -627,9 +671,9 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]) or `bounds`
     (RowBounds: the same as a region per row, applied inside the distance kernel with no mask tensor; its `lo` is
     where k_words was sliced): keys outside are chosen last (given the largest value the select counts).
-    `head_top` m (pool "sum"): each query head's own m nearest keys of the region come first (ties as `ties`), the
-    rest by the group's summed distance: a head whose match the group's sum would dilute still gets it (the
-    reference: `head_top_reference` on the per-head distances, forced keys ranked above the rest)."""
+    `head_top` m (pool "sum", 1-bit codes): each query head's own m nearest keys of the region come first (ties as
+    `ties`), the rest by the group's summed distance: a head whose match the group's sum would dilute still gets it
+    (the reference: `head_top_reference` on the per-head distances, forced keys ranked above the rest)."""
     if head_top < 0 or (head_top and (pool != "sum" or keep is not None)):
         raise ValueError(f"head_top={head_top} needs pool='sum' and a region as bounds (not keep)")
     vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool)) + (1 if head_top else 0)
@@ -748,7 +792,9 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
 
 def code_topk_supported(d: int, bits: int, metric: str, group: int, head_top: int = 0) -> bool:
     """Whether code_topk handles rows pooled over `group` query heads (their largest distance, + 1 with head_top,
-    fits its counting)."""
+    fits its counting; head_top on 1-bit codes only)."""
+    if head_top and bits != 1:
+        return False
     return (_max_distance(d, bits, metric, group) + (1 if head_top else 0)).bit_length() <= count_select.MAX_BITS
 
 

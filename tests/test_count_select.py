@@ -192,7 +192,7 @@ def head_top_want(qw, kw, n, D, bits, k, m, ties, lo=0, keep=None):
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,bits,L,k,m,block_l", [
     (1, 4, 1, 128, 1, 500, 60, 3, 64),  # Spotlight/LSH: 1-bit Hamming over a group of 4
-    (2, 6, 2, 64, 2, 300, 40, 4, 32),  # 2-bit L1, groups of 3
+    (2, 6, 2, 64, 1, 300, 40, 4, 32),  # groups of 3, two rows
     (1, 4, 2, 64, 1, 200, 5, 4, 16),  # more forced keys than k: the newest / oldest of them
     (1, 2, 1, 64, 1, 40, 40, 8, 16),  # k = every key
 ])
@@ -229,6 +229,10 @@ def test_code_topk_head_top_in_row_bounds():
         code_topk(qw, kw, n, D, 5, 1, pool=None, head_top=2)
     with pytest.raises(ValueError, match="head_top"):
         code_topk(qw, kw, n, D, 5, 1, pool="sum", keep=keep, head_top=2)
+    q2, k2 = _codes(1, 4, 2, 50, 64, 2, 6)  # 2-bit codes: code_topk refuses, the callers rank code_scores instead
+    assert not code_topk_supported(64, 2, "l1", 2, head_top=2) and code_topk_supported(64, 1, "l1", 2, head_top=2)
+    with pytest.raises(ValueError, match="head_top needs 1-bit codes"):
+        code_topk(q2, k2, 50, 64, 5, 2, pool="sum", head_top=2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -253,9 +257,11 @@ def test_gpu_long_rows_with_ties():
     assert torch.equal(code_topk(qw, kw, 131072, 128, 2048).cpu(), smallest_reference(dist, 2048))
     assert torch.equal(code_topk(qw, kw, 131072, 128, 2047, ties="high").cpu(),
                        smallest_reference(dist, 2047, ties="high"))
-    for m, ties in ((4, "high"), (1, "low")):  # each query head's nearest keys first: 512 blocks' candidates merged
-        want, _ = head_top_want(qw, kw, 131072, 128, 2, 2048, m, ties)
-        assert torch.equal(code_topk(qw, kw, 131072, 128, 2048, pool="sum", ties=ties, head_top=m).cpu(), want)
+    qw, kw = _codes(1, 32, 8, 131072, 128, 1, 5)  # each query head's nearest keys first (1-bit codes, as Spotlight)
+    for m, ties, block_l in ((4, "high", None), (1, "low", None), (3, "high", 32)):  # 32: 4096 blocks, two tiles
+        want, _ = head_top_want(qw, kw, 131072, 128, 1, 2048, m, ties)
+        got = code_topk(qw, kw, 131072, 128, 2048, 1, pool="sum", ties=ties, head_top=m, block_l=block_l)
+        assert torch.equal(got.cpu(), want)
 
 
 def test_plan_caps_chunks(monkeypatch):
