@@ -45,7 +45,7 @@ def test_choice_is_the_top_k_by_matching_bits(pooling):
     keys = torch.randn(1, 2, 90, 20, generator=_gen(2))
     q = torch.randn(1, 6, 1, 20, generator=_gen(3))
     h = hashes()
-    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h, head_top=0)
+    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h)
     st = build(m, keys, [90], q_heads=6)
     want = matching_bits(q, keys, h, pooling)
     G = 1 if pooling == "head" else 3
@@ -54,8 +54,9 @@ def test_choice_is_the_top_k_by_matching_bits(pooling):
     picked = want.gather(-1, sel.indices).sort(-1).values
     assert torch.equal(picked, want.topk(24, -1).values.sort(-1).values)
     sel.check(1, sel.indices.shape[1])
-    # the default: each query head's 4 best keys by its own matching bits (ties: the newer) first, the sum the rest
-    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h)
+    # head_top 4: each query head's 4 best keys by its own matching bits (ties: the newer) first, the sum the rest
+    assert get_method("spotlight", budget=24, pooling=pooling, hashes=h).config()["head_top"] == 0  # the default
+    m = get_method("spotlight", budget=24, pooling=pooling, hashes=h, head_top=4)
     assert m.config()["head_top"] == (4 if pooling == "group" else 0)
     st = build(m, keys, [90], q_heads=6)
     sel = m.select(st, q, None)

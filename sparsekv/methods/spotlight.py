@@ -14,8 +14,9 @@ Defaults and where they come from:
   is chosen by hash.
 - layers 0 and 1 dense ("Frozen Layers [0,1]", Table 2): the runtime's `--dense-layers 0,1`.
 - pooling: the artifact's (what its hashes were trained for; "group" by default: the group's matching bits summed,
-  one choice per KV head, as `lsh`), with each query head's 4 nearest keys chosen first (`head_top`, ours: the
-  paper does not say how a GQA group shares one choice; sparsekv/methods/hashing.py says why).
+  one choice per KV head, as `lsh`). `head_top=4` (ours; the paper does not say how a GQA group shares one
+  choice) chooses each query head's 4 nearest keys first: better at retrieval, a little slower and lower in
+  average recall (sparsekv/methods/hashing.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class Spotlight(HashSelect):
     default_sink = 0
     default_window = 0
     needs_artifact = True
-    default_head_top = 4
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, artifact: str | Path | None = None,
