@@ -45,6 +45,15 @@ if [[ " $parts " == *" spotlight "* ]]; then
     # "Spotlight at 2 %, 520 prompts a cell": 65 prompts per subtask (the later --n wins), another prompt set
     $sk eval "${niah[@]}" --n 65 --seed 1 --method dense,oracle,spotlight --artifact "$spot" --budget 0.02 \
         --dense-layers 0,1 --json "$out/niah-spotlight-520-smollm2-$tag.json" "$@"
+    # "Each query head's nearest keys": the same prompts with --head-top 2 and 4, and the held-out recall of each
+    for m in 2 4; do
+        $sk eval "${niah[@]}" --n 65 --seed 1 --method spotlight --head-top $m --artifact "$spot" --budget 0.02 \
+            --dense-layers 0,1 --json "$out/niah-spotlight-520-headtop$m-smollm2-$tag.json" "$@"
+    done
+    for m in 0 2 4; do
+        $sk eval --task recall --acts "$work/held" --method spotlight --head-top $m --artifact "$spot" --budget 0.02 \
+            --dense-layers 0,1 --device cpu --json "$out/recall-spotlight-headtop$m-smollm2-jargon-heldout-cpu.json"
+    done
     $sk eval --task passkey --seq 4096,8192 --n 100 --batch 8 --method dense,oracle,spotlight --artifact "$spot" \
         --budget 0.02 --dense-layers 0,1 --json "$out/passkey-spotlight-smollm2-$tag.json" "$@"
     $sk eval --task ppl --text-file "$work/heldout.txt" --seq 4096 --n 4 --method dense,oracle,spotlight \
@@ -130,4 +139,11 @@ if [[ " $parts " == *" speed "* ]]; then
         --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k-spotlight.json"
     $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,streaming,lsh,saap --budget 6554 \
         --new-tokens 32 --prefill-chunk 16384 --json "$out/e2e-$tag-llama3-8b-131k-saap.json"
+    for m in 0 4; do  # "Each query head's nearest keys": what --head-top costs
+        $sk bench --require-gpu --seq 131072 --shape llama3-8b --method flashdecode,spotlight --budget 2048 \
+            --head-top $m --json "$out/step-$tag-llama3-8b-131k-spotlight-headtop$m.json"
+        $sk bench --e2e --require-gpu --shape llama3-8b --seq 131072 --method dense,spotlight --budget 2048 \
+            --head-top $m --new-tokens 32 --prefill-chunk 16384 \
+            --json "$out/e2e-$tag-llama3-8b-131k-spotlight-headtop$m.json"
+    done
 fi
