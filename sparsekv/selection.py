@@ -321,7 +321,8 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
     counting select); elsewhere (the references, or distances too wide for it) `ops.code_scores` ranked by
     `topk_selection`, which chooses the same keys."""
     pool = pooling.kernel_pool("sum")
-    head_top = head_top if pool else 0  # pooling "head": each query head chooses its own keys anyway
+    # pooling "head", or a group of one: each query head chooses its own keys anyway
+    head_top = head_top if pool and q_words.shape[1] > codes.shape[1] else 0
     lo, hi = split.lo, split.hi
     k = min(split.k, hi - lo)
     if k <= 0:

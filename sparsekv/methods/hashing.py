@@ -12,7 +12,7 @@ launch a layer (benchmarks/BENCHMARKS.md, "Each query head's nearest keys")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -38,12 +38,11 @@ class HashSelect(Method):
     after it appends; a select that reads every key, or the next append, hashes a pending key on its own."""
 
     nbits: int = 0
-    default_head_top: ClassVar[int] = 0
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, head_top: int | None = None, **options: Any):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
-        self.head_top = self.default_head_top if head_top is None else head_top
+        self.head_top = 0 if head_top is None else head_top
         if isinstance(self.head_top, bool) or not isinstance(self.head_top, int) or self.head_top < 0:
             raise SparseKVError(f"{self.name}: head_top must be a whole number >= 0 (0 = off), got {head_top!r}")
 
