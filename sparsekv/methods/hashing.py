@@ -4,10 +4,11 @@ learned MLP). A subclass fills `state.codes` ([B, Hkv, max_len, ceil(nbits / 16)
 eq. 3, NXOR), i.e. -Hamming distance, counted by the 1-bit code kernels (kernels/codes.py: xor + popcount) and their
 top-k; pooling "group" sums the group's matching bits (one choice per KV head), "head" chooses per query head.
 `head_top` m (pooling "group", off by default): each query head's own m nearest keys are chosen first and the sum
-picks the rest. A sum of Hamming similarities dilutes one head's sharp match: in SmolLM2 a duplicate-token head
-(layer 7) that attends 0.8-0.99 to the needle's copy of a digit had its peak key chosen for 43 % of such queries,
-77 % with m 4, and Spotlight's RULER NIAH rose 2.4 points at 4096; the forced keys cost some average recall and a
-launch a layer (benchmarks/BENCHMARKS.md, "Each query head's nearest keys")."""
+picks the rest. A sum of Hamming similarities dilutes one head's sharp match: in SmolLM2's layer 7, where a
+duplicate-token head attends 0.8-0.99 to the needle's copy of a digit, the most-attended key of queries peaking
+above 0.3 was chosen for 43 % of them, 77 % with m 4, and Spotlight's RULER NIAH rose 2.4 points at 4096; the
+forced keys cost some average recall and a launch a layer (benchmarks/BENCHMARKS.md, "Each query head's nearest
+keys")."""
 
 from __future__ import annotations
 
