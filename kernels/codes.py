@@ -52,7 +52,7 @@ import triton.language as tl
 from . import count_select
 from .hadamard import _prec, hadamard_signs
 from .reference import PendingCodes, RowBounds, _per_word, check_pending, hadamard_matrix
-from .region import window_first
+from .region import in_sparse_region
 
 _POOLS = {None: 0, "sum": 1, "min": 2}
 
@@ -407,9 +407,7 @@ def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
     keys = blk * BLOCK_L + r % BLOCK_L
     ok = (blk >= 0) & (keys < length)
     if BOUNDS:  # the row's own region, as in the distance kernel
-        L = tl.load(LENS + b).to(tl.int32)
-        pos = lo + keys
-        ok = ok & (pos >= window_first(L, span) + sink) & (pos < L - window)
+        ok = ok & in_sparse_region(tl.load(LENS + b).to(tl.int32), lo + keys, span, sink, window)
     w = tl.arange(0, BLOCK_W)
     w_ok = w < NW
     k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
@@ -443,10 +441,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
     keys = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     k_ok = keys < length
     if BOUNDS:  # the row's own region, from its device length: keys outside it get FILL (chosen last)
-        L = tl.load(LENS + b).to(tl.int32)
-        first = window_first(L, span) + sink
-        pos = lo + keys
-        inside = (pos >= first) & (pos < L - window)
+        inside = in_sparse_region(tl.load(LENS + b).to(tl.int32), lo + keys, span, sink, window)
     w = tl.arange(0, BLOCK_W)
     w_ok = w < NW
     if DENSE_ROWS:  # keys' lanes back to back (stride NW): the compiler sees one contiguous tile and loads it in

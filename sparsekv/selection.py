@@ -331,9 +331,11 @@ def code_selection(q_words: torch.Tensor, codes: torch.Tensor, d: int, bits: int
                         bounds=split.bounds(), ties=CODE_TIES, head_top=head_top)
     if idx is not None:
         return split.selection(indices=idx, padded=False)
-    scores = ops.code_scores(q_words, codes[:, :, lo:], hi - lo, d, bits=bits, metric=metric, pool=pool)
-    if head_top:
-        per_head = ops.code_scores(q_words, codes[:, :, lo:], hi - lo, d, bits=bits, metric=metric, pool=None)
+    if not head_top:
+        scores = ops.code_scores(q_words, codes[:, :, lo:], hi - lo, d, bits=bits, metric=metric, pool=pool)
+    else:  # the per-head scores, read once: the group's sum comes from them (integers: exact)
+        per_head = ops.code_scores(q_words, codes[:, :, lo:], hi - lo, d, bits=bits, metric=metric).float()
+        B, Hq, n = per_head.shape
         forced = head_top_reference(per_head, codes.shape[1], head_top, split.keep(), CODE_TIES)
-        scores = scores.float().masked_fill(forced, float("inf"))
+        scores = per_head.view(B, codes.shape[1], -1, n).sum(2).masked_fill(forced, float("inf"))
     return topk_selection(scores, split, ties=CODE_TIES)  # -distance: closer scores higher

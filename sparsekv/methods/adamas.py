@@ -53,7 +53,7 @@ from ..artifacts import load_artifact
 from ..errors import SparseKVError
 from ..pooling import Pooling
 from ..selection import BudgetSplit, Selection, code_selection, rerank_exact, topk_selection
-from .base import CacheShape, LayerState, Method, register
+from .base import CacheShape, LayerState, Method, register, whole_option
 
 FIXED_THRESHOLDS = {1: (0.0,), 2: (-10.0, 0.0, 10.0), 3: (-15.0, -10.0, -5.0, 0.0, 5.0, 10.0, 15.0)}
 CODE_DISTANCES = ("l1", "l2")  # between the query's codes and the keys' (the paper: l1)
@@ -84,9 +84,7 @@ class Adamas(Method):
         (True, 2, "l1"). An artifact's bits and transform cannot be overridden: its thresholds live in that space.
         `rerank` F > 1 (ours): the codes pick F x k candidates and their exact q·k keeps k (selection.rerank_exact)."""
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
-        self.rerank = 1 if rerank is None else rerank
-        if isinstance(self.rerank, bool) or not isinstance(self.rerank, int) or self.rerank < 1:
-            raise SparseKVError(f"adamas: rerank must be a whole number >= 1 (1 = off), got {rerank!r}")
+        self.rerank = 1 if rerank is None else whole_option(rerank, 1, "adamas: rerank")
         if artifact is not None and thresholds is not None:
             raise SparseKVError("adamas: give an artifact or explicit thresholds, not both")
         self.artifact = None if artifact is None else str(artifact)

@@ -203,6 +203,13 @@ class Method:
                 "pooling": self.pooling.value}
 
 
+def whole_option(value: Any, least: int, what: str) -> int:
+    """A method's integer option `value`, checked: a whole number >= `least` (its off value), else SparseKVError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise SparseKVError(f"{what} must be a whole number >= {least} ({least} = off), got {value!r}")
+    return value
+
+
 def write_at(buf: torch.Tensor, pos: int | torch.Tensor, x: torch.Tensor) -> None:
     """Write x [B, H, n, ...] into buf [B, H, L, ...] at positions [pos, pos + n): `pos` an int (every row), or for
     one token (n = 1) a device tensor [B] of per-row positions (a graph-replayed step's write slots)."""

@@ -20,10 +20,9 @@ import torch
 from sparsekv.kernels.reference import PendingHash
 
 from .. import ops
-from ..errors import SparseKVError
 from ..pooling import Pooling
 from ..selection import Selection, code_selection
-from .base import CacheShape, LayerState, Method
+from .base import CacheShape, LayerState, Method, whole_option
 
 
 @dataclass
@@ -43,9 +42,7 @@ class HashSelect(Method):
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, head_top: int | None = None, **options: Any):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
-        self.head_top = 0 if head_top is None else head_top
-        if isinstance(self.head_top, bool) or not isinstance(self.head_top, int) or self.head_top < 0:
-            raise SparseKVError(f"{self.name}: head_top must be a whole number >= 0 (0 = off), got {head_top!r}")
+        self.head_top = 0 if head_top is None else whole_option(head_top, 0, f"{self.name}: head_top")
 
     def new_codes(self, shape: CacheShape) -> torch.Tensor:
         """An empty code buffer: int16 [B, Hkv, max_len, ceil(nbits / 16)], 16 bits a word."""
