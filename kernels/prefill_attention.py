@@ -38,18 +38,23 @@ def _logits(x, qk_scale, cap2, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, stop, pos, last, window, stride_kn, stride_vn, qk_scale, cap2,
-            MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+            d_ok, MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+            PAD: tl.constexpr):
     """The online softmax over key tiles [start, stop), BLOCK_N at a time. MASK: tiles that some row of the block
     sees only in part (the diagonal, the window's start, the end of the keys): keep key j for the query at `pos`
     iff pos - window < j <= pos, and read no key past `last` (the block's last position, < L). Tiles between need no
-    mask."""
+    mask. PAD: the head dim is padded to a power of two; its lanes past D (d_ok false) read as 0."""
     offs_n = tl.arange(0, BLOCK_N)
     for s in range(start, stop, BLOCK_N):
         j = s + offs_n
         if MASK:
             keep = (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - window)
             in_keys = (j <= last)[:, None]
+            if PAD:
+                in_keys = in_keys & d_ok[None, :]
             k = tl.load(k_ptrs, mask=in_keys, other=0.0)
+        elif PAD:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
         t = _logits(tl.dot(q, tl.trans(k), input_precision=PREC), qk_scale, cap2, SOFTCAP)
@@ -61,6 +66,8 @@ def _attend(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, stop, pos, last, window, st
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
             v = tl.load(v_ptrs, mask=in_keys, other=0.0)
+        elif PAD:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
@@ -76,7 +83,8 @@ def _prefill_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     Hq, G, n, L, window, qk_scale, cap2,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    PREC: tl.constexpr, PAD: tl.constexpr,
 ):
     """One block of BLOCK_M queries of one (batch, query head). Its keys split in three tile ranges: the window's
     start (masked), the band every row sees whole (unmasked), the causal diagonal (masked)."""
@@ -89,13 +97,14 @@ def _prefill_kernel(
     m0 = mb * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)  # the head dim, padded to a power of two (lanes past D read 0, are not stored)
+    d_ok = d < D
     row_ok = offs_m < n
     pos = tl.minimum(off + offs_m, L - 1)  # rows past n (padding) take the last position: never past the keys
 
     rows = offs_m.to(tl.int64)[:, None]  # a long chunk times a wide row stride can pass 2^31
     q_ptrs = Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows * stride_qm + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # key tiles of this block: [first, end) in all, of which [band_lo, band_hi) are seen whole by every row
     p_lo = off + m0
@@ -109,20 +118,20 @@ def _prefill_kernel(
     v_tile = V + b * stride_vb + kv * stride_vh + offs_n[:, None] * stride_vn + d[None, :]
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_tile + first.to(tl.int64) * stride_kn,
                             v_tile + first.to(tl.int64) * stride_vn, first, band_lo, pos, p_hi, window,
-                            stride_kn, stride_vn, qk_scale, cap2, True, SOFTCAP, PREC, BLOCK_N)
+                            stride_kn, stride_vn, qk_scale, cap2, d_ok, True, SOFTCAP, PREC, BLOCK_N, PAD)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_tile + band_lo.to(tl.int64) * stride_kn,
                             v_tile + band_lo.to(tl.int64) * stride_vn, band_lo, band_hi, pos, p_hi, window,
-                            stride_kn, stride_vn, qk_scale, cap2, False, SOFTCAP, PREC, BLOCK_N)
+                            stride_kn, stride_vn, qk_scale, cap2, d_ok, False, SOFTCAP, PREC, BLOCK_N, PAD)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_tile + band_hi.to(tl.int64) * stride_kn,
                             v_tile + band_hi.to(tl.int64) * stride_vn, band_hi, end, pos, p_hi, window,
-                            stride_kn, stride_vn, qk_scale, cap2, True, SOFTCAP, PREC, BLOCK_N)
+                            stride_kn, stride_vn, qk_scale, cap2, d_ok, True, SOFTCAP, PREC, BLOCK_N, PAD)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = O + b * stride_ob + h.to(tl.int64) * stride_oh + rows * stride_om + d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def prefill_config(D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -156,8 +165,8 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if L < n or Hkv == 0 or Hq % Hkv:
         raise ValueError(f"prefill_attention: need L >= n and Hq a multiple of Hkv, got L={L}, n={n}, Hq={Hq}, "
                          f"Hkv={Hkv}")
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"prefill_attention: head dim must be a power of two in [16, 256], got {D}")
+    if not 1 <= D <= 256:
+        raise ValueError(f"prefill_attention: head dim must be between 1 and 256, got {D}")
     if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
         raise ValueError(f"prefill_attention: q, keys and values must share one of {_DTYPES}, got {q.dtype}, "
                          f"{keys.dtype}, {values.dtype}")
@@ -167,7 +176,8 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if n == 0 or B * Hq == 0:
         return out
     q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
-    BM, BN, warps, stages = prefill_config(D, q.dtype)
+    BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot's smallest inner size
+    BM, BN, warps, stages = prefill_config(BLOCK_D, q.dtype)
     BM, BN = block_m or BM, block_n or BN
     window = span if span > 0 else L + 1  # unbounded: a window longer than any position
     if softcap:
@@ -179,7 +189,8 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), out.stride(2),
         Hq, Hq // Hkv, n, L, window, qk_scale, cap2,
-        D=D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=bool(softcap), PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        D=D, BLOCK_D=BLOCK_D, PAD=BLOCK_D != D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=bool(softcap),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     return out

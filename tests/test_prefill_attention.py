@@ -54,6 +54,9 @@ CASES = [  # B, Hq, Hkv, n, L, D, span, softcap
     (1, 4, 2, 37, 101, 64, 50, None),  # window longer than the chunk: all three tile ranges per block
     (1, 4, 1, 40, 40, 64, 0, 30.0),  # softcap
     (1, 2, 1, 21, 90, 128, 33, 20.0),  # D 128, window and softcap together
+    (1, 4, 2, 37, 101, 20, 0, None),  # D 20 (tiny test models): padded to 32 lanes
+    (1, 4, 1, 30, 70, 96, 25, None),  # D 96 (Phi-3-mini): padded to 128, with a window
+    (1, 2, 2, 9, 9, 8, 0, 10.0),  # D 8: below tl.dot's smallest inner size, padded to 16
 ]
 
 
@@ -114,8 +117,8 @@ def test_rejects_bad_shapes():
     q, k, v = _data(1, 3, 2, 4, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         prefill_attention(q, k, v, 0.25)
-    q, k, v = _data(1, 2, 1, 4, 8, 80, torch.float32)
-    with pytest.raises(ValueError, match="power of two"):
+    q, k, v = _data(1, 2, 1, 4, 8, 320, torch.float32)
+    with pytest.raises(ValueError, match="head dim must be between 1 and 256"):
         prefill_attention(q, k, v, 0.25)
     q, k, v = _data(1, 2, 1, 9, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="L >= n"):
@@ -124,7 +127,7 @@ def test_rejects_bad_shapes():
 
 @pytest.mark.skipif(not CUDA, reason="bf16 and real shapes need a GPU (the interpreter has no bf16)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("span,softcap", [(0, None), (300, None), (0, 50.0)])
 def test_cuda_default_config(dtype, D, span, softcap):
     q, k, v = _data(2, 8, 2, 517, 1500, D, dtype, seed=D)

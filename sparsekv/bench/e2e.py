@@ -163,7 +163,8 @@ def _one_length(lm: LoadedModel, seq: int, names: list[str], budget: float, opti
                          "prefill_peak_gb": prefill_peak, "ms_per_token": round(ms, 4),
                          "tokens_per_s": round(batch * 1e3 / ms, 2), "steps": g.timing["steady_steps"],
                          "first_step_s": round(g.timing["first_step_s"], 4), "generate_s": round(seconds, 4),
-                         "floor_ms": round(floor_ms, 4), "of_floor": round(floor_ms / ms, 4),
+                         "floor_ms": float(f"{floor_ms:.4g}"),  # significant digits: a tiny model's floor is < 1 µs
+                         "of_floor": round(floor_ms / ms, 4),
                          "peak_gb": _peak_gb(dev), "selectivity": g.stats.get("selectivity"),
                          "decode_path": g.stats.get("decode_path")})
             gc.collect()
