@@ -141,6 +141,25 @@ def test_chunked_prefill_equals_whole_prefill(family, one_thread, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family,head_dim", [("mistral", 24), ("gemma2", 20)])
+def test_chunked_prefill_on_the_kernels_with_a_head_dim_not_a_power_of_two(family, head_dim, one_thread,
+                                                                         monkeypatch):
+    """The path a GPU takes (our kernels; interpreted here): sliding windows and softcaps in chunks after cached
+    keys with head dims such as Phi-3-mini's 96 (here 24 and 20), against the torch references' whole prefill."""
+    from sparsekv.decode import prefill
+
+    lm = build(family, head_dim=head_dim)
+    ids = _ids(5)
+    monkeypatch.setenv("SPARSEKV_KERNELS", "0")
+    ref = prefill(lm, ids)
+    monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    for chunk in (None, 24):
+        got = prefill(lm, ids, prefill_chunk=chunk)
+        torch.testing.assert_close(got.logits, ref.logits, atol=2e-4, rtol=2e-4)
+        for a, b in zip(got.keys + got.values, ref.keys + ref.values):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m[0] + "".join(f"-{v}" for v in m[1].values()))
 def test_budget_covering_what_layers_see_equals_dense(family, method, one_thread):
