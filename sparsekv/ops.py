@@ -19,6 +19,8 @@ import torch
 
 from sparsekv.kernels import reference as ref
 
+from .errors import SparseKVError
+
 if TYPE_CHECKING:
     from .selection import Selection
 
@@ -37,12 +39,16 @@ def kernels(on: bool = True):
 
 def use_kernels(device: torch.device | str) -> bool:
     forced = _forced.get()
-    if forced is not None:
-        return forced
-    flag = os.environ.get("SPARSEKV_KERNELS", "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return torch.device(device).type == "cuda"
+    if forced is None:
+        flag = os.environ.get("SPARSEKV_KERNELS", "")
+        forced = flag == "1" if flag in ("0", "1") else None
+    if forced is None:
+        return torch.device(device).type == "cuda"
+    if forced and torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton has no CPU backend: without its interpreter the launch fails with a message about drivers
+        raise SparseKVError("the Triton kernels run on the CPU only under TRITON_INTERPRET=1 (far slower); set it, "
+                            "or use the torch references (SPARSEKV_KERNELS=0)")
+    return forced
 
 
 # -- attention --------------------------------------------------------------------------------------------------

@@ -87,3 +87,23 @@ def test_padding_gets_the_sdpa_mask():
     assert mask.shape == (2, 1, 5, 5) and mask.dtype == torch.bool
     assert not mask[0, 0, :, 0].any() and mask[1, 0, 4].all()  # the padded key is never read; causality holds
     assert not mask[1, 0, 0, 1:].any()
+
+
+def test_kernels_on_the_cpu_need_the_interpreter(monkeypatch):
+    """Triton has no CPU backend: asking for the kernels on a CPU without TRITON_INTERPRET=1 is one clear error, not a
+    launch failure about drivers; the references and the interpreter stay available."""
+    from sparsekv.errors import SparseKVError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("SPARSEKV_KERNELS", "1")
+    with pytest.raises(SparseKVError, match="TRITON_INTERPRET=1"):
+        ops.use_kernels("cpu")
+    monkeypatch.delenv("SPARSEKV_KERNELS")
+    with ops.kernels(True), pytest.raises(SparseKVError, match="SPARSEKV_KERNELS=0"):
+        ops.use_kernels(torch.device("cpu"))
+    assert not ops.use_kernels("cpu")
+    with ops.kernels(False):
+        assert not ops.use_kernels("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with ops.kernels(True):
+        assert ops.use_kernels("cpu")
