@@ -378,16 +378,41 @@ def _block_keys(CAND, i, n_blocks, BLOCK_L: tl.constexpr, TIES_HIGH: tl.constexp
 def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                            stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_db, stride_dh,
                            LENS, span, sink, window, lo,
+                           D, GH, STATE, N, ks, below, stride_d, STRIDE, base_rows,
                            G: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, LANE_BITS: tl.constexpr,
                            POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr,
                            BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr,
-                           BOUNDS: tl.constexpr):
-    """One program per (batch row, query head) sets the pooled distance of the head's M nearest keys to 0, below
+                           BOUNDS: tl.constexpr, BASE: tl.constexpr = False, S: tl.constexpr = 1,
+                           SHIFT: tl.constexpr = 0, VMAX: tl.constexpr = 1, NB2: tl.constexpr = 32,
+                           FORCE_MISS: tl.constexpr = False):
+    """Programs [0, B * Hq) force each query head's nearest keys (_force_head_top); the last `base_rows` run the
+    counting select's first step for their row (BASE; count_select._window_base, its arguments D .. STRIDE and the
+    constexprs from S on): the two are independent, so one launch holds both and the select has one launch fewer.
+    The sample the base step reads may or may not see the zeros written beside it: that moves the select's window,
+    never what it selects."""
+    row = tl.program_id(0)
+    n_force = tl.num_programs(0) - base_rows
+    if row < n_force:
+        _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv, stride_qb, stride_qh, stride_kb, stride_kh,
+                        stride_kn, stride_db, stride_dh, LENS, span, sink, window, lo, row, G, M, NW, LANE_BITS,
+                        POPC, BYTE_SUM, BLOCK_L, BLOCK_W, BLOCK_C, M_P2, TIES_HIGH, BOUNDS)
+    elif BASE:
+        count_select._window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, row - n_force, S, SHIFT, VMAX, NB2,
+                                  FORCE_MISS)
+
+
+@triton.jit
+def _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv,
+                    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_db, stride_dh,
+                    LENS, span, sink, window, lo, row,
+                    G: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, LANE_BITS: tl.constexpr,
+                    POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr,
+                    BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr, BOUNDS: tl.constexpr):
+    """Program `row` (b * Hq + query head) sets the pooled distance of the head's M nearest keys to 0, below
     every other key's (the distance kernel added 1 to those). Those keys lie in the M blocks whose nearest keys are
     the M best of the blocks' (M keys of those blocks beat any key of another), so the program takes these blocks
     from the candidates (M passes, each the smallest above the last), reads their codes again for its query (M x
     BLOCK_L keys) and takes their M best. The heads of a group write the same zeros."""
-    row = tl.program_id(0)  # b * Hq + query head
     b = row // (Hkv * G)
     h = row % (Hkv * G)
     kv = h // G
@@ -547,9 +572,10 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
     int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2).
     bounds: RowBounds; keys outside a row's region get `fill` instead of their distance.
-    head_top m > 0 (1-bit codes, pool "sum", distances out): the pooled distances + 1, then 0 for each query head's
-    m nearest keys of the region (ties as `ties`): every block's nearest key per query head, then a second, small
-    launch (_force_head_top_kernel)."""
+    head_top m > 0 (1-bit codes, pool "sum", distances out): the pooled distances + 1, and every block's nearest key
+    per query head; the second value returned then launches the forcing step (_force_head_top_kernel: 0 for each
+    query head's m nearest keys of the region, ties as `ties`), given the counting select's first step to run in
+    the same launch or None (else it is None). Returns (distances, that launcher)."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -569,7 +595,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     H_out = Hkv if pool is not None else Hq
     out = torch.empty(B, H_out, length, dtype=out_dtype, device=q_words.device)
     if length == 0 or B == 0:
-        return out
+        return out, None
     if q_words.stride(-1) != 1:
         q_words = q_words.contiguous()
     if k_words.stride(-1) != 1:
@@ -611,17 +637,26 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill, DENSE_ROWS=kw.stride(2) == NW == BLOCK_W,
         CAND=cand, HEAD_TOP=head_top, TIES_HIGH=bool(head_top) and ties == "high",
     )
-    if head_top:
-        _force_head_top_kernel[(B * Hq,)](
+    if not head_top:
+        return out, None
+
+    def force(base: count_select.BaseStep | None) -> None:
+        """The forcing launch, with the counting select's first step in it when `base` is given."""
+        rows, b_step, consts = (0, (out,) * 3 + (0,) * 5, {}) if base is None else \
+            (base.rows, base.args, dict(base.consts, BASE=True))  # without BASE the placeholders are never read
+        if base is not None and base.num_warps != 8:
+            raise ValueError("the forcing launch runs with 8 warps, the select's first step too")
+        _force_head_top_kernel[(B * Hq + rows,)](
             cand, qw, kw, out, grid[0], length, Hkv,
             qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
-            lens, *b_args,
+            lens, *b_args, *b_step, rows,
             G=G, M=head_top, NW=NW, LANE_BITS=qw.element_size() * 8, POPC=popc > 0, BYTE_SUM=NW * 8 <= 255,
             BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, BLOCK_C=min(triton.next_power_of_2(grid[0]), 2048),
-            M_P2=triton.next_power_of_2(head_top), TIES_HIGH=ties == "high", BOUNDS=bounds is not None,
+            M_P2=triton.next_power_of_2(head_top), TIES_HIGH=ties == "high", BOUNDS=bounds is not None, **consts,
             num_warps=8)  # reductions one after another: code_topk at M 4 took 27.3 µs with 8 warps, 29.0 with 4
             # (H200, 8 x 131072 keys, group of 4)
-    return out
+
+    return out, force
 
 
 def code_distance(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
@@ -633,7 +668,8 @@ def code_distance(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: 
     pool="sum" / "min" reduces over each KV head's query group in the kernel -> [B, Hkv, length].
     Same contract as code_distance_reference. A sliced k_words (e.g. k_words[:, :, sink:]) is fine.
     """
-    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int32, False, block_l, num_warps)
+    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int32, False, block_l,
+                            num_warps)[0]
 
 
 def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, bits: int = 2,
@@ -648,7 +684,7 @@ def code_scores(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: in
     if dtype is None:
         dtype = torch.float16 if _max_distance(d, bits, metric, _group(q_words, k_words, pool)) <= 2048 \
             else torch.float32
-    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, dtype, True, block_l, num_warps)
+    return _launch_distance(q_words, k_words, length, d, bits, metric, pool, dtype, True, block_l, num_warps)[0]
 
 
 def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int, k: int, bits: int = 2,
@@ -669,7 +705,10 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     where k_words was sliced): keys outside are chosen last (given the largest value the select counts).
     `head_top` m (pool "sum", 1-bit codes): each query head's own m nearest keys of the region come first (ties as
     `ties`), the rest by the group's summed distance: a head whose match the group's sum would dilute still gets it
-    (the reference: `head_top_reference` on the per-head distances, forced keys ranked above the rest)."""
+    (the reference: `head_top_reference` on the per-head distances, forced keys ranked above the rest). The step
+    that forces them shares its launch with the counting select's first step (`smallest_k(first=)`), so head_top
+    adds no launch to a select of several chunks (one layer at 131072 keys, m 4, H100: 54.5 µs with a launch of its
+    own, 51.6 with it shared; BENCHMARKS.md, "Each query head's nearest keys")."""
     if head_top < 0 or (head_top and (pool != "sum" or keep is not None)):
         raise ValueError(f"head_top={head_top} needs pool='sum' and a region as bounds (not keep)")
     vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool)) + (1 if head_top else 0)
@@ -678,11 +717,11 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     if not 0 <= k <= length:
         raise ValueError(f"k={k} must be between 0 and the {length} keys")
     fill = (1 << count_select.value_bits(vmax)) - 1
-    dist = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l, num_warps,
-                            bounds=bounds, fill=fill, head_top=head_top, ties=ties)
+    dist, force = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l,
+                                   num_warps, bounds=bounds, fill=fill, head_top=head_top, ties=ties)
     if keep is not None:
         dist.masked_fill_(~keep, fill)
-    return count_select.smallest_k(dist, k, vmax, offset=offset, ties=ties, _chunk=_chunk, _tile=_tile)
+    return count_select.smallest_k(dist, k, vmax, offset=offset, ties=ties, first=force, _chunk=_chunk, _tile=_tile)
 
 
 # --------------------------------------------------------------------------------------------------------------

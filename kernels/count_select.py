@@ -39,6 +39,8 @@ Reference: the k smallest by (value, index), e.g. `tests/test_count_select.py::s
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -329,13 +331,28 @@ def shift(bits: int) -> int:
     return max(0, bits - COARSE_BITS)
 
 
+class BaseStep(NamedTuple):
+    """The first step (`_window_base`, one program per row) for a caller that runs it inside a launch of its own
+    (`smallest_k(first=)`): `args` are _window_base's arguments before the row, `consts` its constexprs."""
+    rows: int
+    args: tuple  # D, GH, STATE, N, ks, below, stride_d, STRIDE
+    consts: dict  # S, SHIFT, VMAX, NB2, FORCE_MISS
+    num_warps: int
+
+
 def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0, out: torch.Tensor | None = None,
-               ties: str = "low", _chunk: int | None = None, _tile: int | None = None,
-               _num_warps: int | None = None, _force_miss: bool = False, _base_warps: int = 8) -> torch.Tensor:
+               ties: str = "low", first: Callable[[BaseStep | None], None] | None = None,
+               _chunk: int | None = None, _tile: int | None = None, _num_warps: int | None = None,
+               _force_miss: bool = False, _base_warps: int = 8) -> torch.Tensor:
     """Indices (+ offset), int64 [..., k], of the k smallest of integer values [..., n] in [0, max_value] (int16 or
     int32; others are clamped into the range). Exact, ties to the lower index (`ties="high"`: to the higher one),
     ascending index order in each row; no host sync, so it can be captured in a CUDA graph. CUDA or
-    TRITON_INTERPRET=1."""
+    TRITON_INTERPRET=1.
+    `first` (a caller's last launch before the select, folded into the select's first one): called once, before
+    the select's launches, with the BaseStep it must run for rows 0..rows - 1 in the same launch (programs of their
+    own, `_window_base`), or with None when this call takes the one-launch row kernel, which has no such step. The
+    base step only estimates where the window lies from a sample: values the same launch writes change how fast
+    the select runs, never what it selects."""
     if values.dtype not in (torch.int16, torch.int32):
         raise ValueError(f"smallest_k: values must be int16 or int32, got {values.dtype}")
     high = tie_flag(ties)
@@ -343,22 +360,30 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     x, out, o = rows_and_out(values, k, out, "smallest_k")
     rows, n = x.shape
     if rows == 0 or k == 0:
+        if first is not None:
+            first(None)
         return out
     pl = plan(n, rows, values.device, chunk=_chunk, tile=_tile)
     sh, nb2, vmax = shift(bits), fine_bins(bits), (1 << bits) - 1
     common = dict(VMAX=vmax, CHUNK=pl["chunk"], TILE=pl["tile"], num_warps=_num_warps or 4)
     if pl["p"] == 1:
+        if first is not None:
+            first(None)
         _row_kernel[(rows,)](x, o, n, k, offset, x.stride(0), o.stride(0), high, SHIFT=sh, NB2=nb2, **common)
         return out
     t = scratch(values.device, rows, pl["p"])
     S, stride, ks, below = sample_plan(n, k)
     grid = (rows * pl["p"],)
-    _base_kernel[(rows,)](x, t["gh"], t["state"], n, ks, below, x.stride(0), stride, S=S, SHIFT=sh, VMAX=vmax,
-                          NB2=nb2, FORCE_MISS=_force_miss, num_warps=_base_warps)
+    base = BaseStep(rows, (x, t["gh"], t["state"], n, ks, below, x.stride(0), stride),
+                    dict(S=S, SHIFT=sh, VMAX=vmax, NB2=nb2, FORCE_MISS=_force_miss), _base_warps)
+    if first is not None:
+        first(base)
+    else:
+        _base_kernel[(rows,)](*base.args, **base.consts, num_warps=base.num_warps)
     _window_kernel[grid](x, t["ph"], t["gh"], t["state"], n, x.stride(0), pl["p"], **common)
     _emit_kernel[grid](x, t["ph"], t["gh"], t["state"], o, n, k, offset, x.stride(0), o.stride(0), pl["p"], high,
                        SHIFT=sh, NB2=nb2, PP=triton.next_power_of_2(pl["p"]), **common)
     return out
 
 
-__all__ = ["MAX_BITS", "smallest_k", "value_bits"]
+__all__ = ["MAX_BITS", "BaseStep", "smallest_k", "value_bits"]

@@ -47,6 +47,29 @@ def test_smallest_k_matches_reference(dtype, rows, n, k, vmax, ties):
     assert torch.equal(out.cpu(), smallest_reference(v, k, 5, ties))
 
 
+def test_first_runs_in_the_callers_launch_once():
+    """smallest_k(first=): the caller's launch gets the select's first step (BaseStep) once and runs it for every
+    row; the same indices as without it. A row of one chunk (the one-launch row kernel) hands it None; so does
+    k 0."""
+    from sparsekv.kernels import count_select
+
+    v = torch.randint(0, 300, (3, 700), generator=_gen(4), dtype=torch.int32).to(DEV)
+    seen = []
+
+    def first(base):
+        seen.append(base)
+        if base is not None:  # what codes.code_topk's forcing launch does beside its own programs
+            count_select._base_kernel[(base.rows,)](*base.args, **base.consts, num_warps=base.num_warps)
+
+    want = smallest_reference(v, 50, 0, "high")
+    assert torch.equal(smallest_k(v, 50, 300, ties="high", first=first, _chunk=128).cpu(), want)
+    assert len(seen) == 1 and seen[0].rows == 3
+    assert torch.equal(smallest_k(v[:, :100].contiguous(), 20, 300, first=first, _chunk=128).cpu(),
+                       smallest_reference(v[:, :100], 20))
+    smallest_k(v, 0, 300, first=first)
+    assert seen[1:] == [None, None]
+
+
 def test_smallest_k_repeats_and_shapes():
     """Scratch is left clean (same answer every call); leading dims; k = 0; chunk sizes from 1 program to many."""
     v = torch.randint(0, 40, (2, 3, 1000), generator=_gen(2), dtype=torch.int32).to(DEV)

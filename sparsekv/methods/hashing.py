@@ -7,8 +7,9 @@ top-k; pooling "group" sums the group's matching bits (one choice per KV head), 
 picks the rest. A sum of Hamming similarities dilutes one head's sharp match: in SmolLM2's layer 7, where a
 duplicate-token head attends 0.8-0.99 to the needle's copy of a digit, the most-attended key of queries peaking
 above 0.3 was chosen for 43 % of them, 77 % with m 4, and Spotlight's RULER NIAH rose 2.4 points at 4096; the
-forced keys cost some average recall and a launch a layer (benchmarks/BENCHMARKS.md, "Each query head's nearest
-keys")."""
+forced keys cost some average recall and a few µs a layer: each block's nearest key per query head in the distance
+kernel, and a forcing step that shares the counting select's first launch (benchmarks/BENCHMARKS.md, "Each query
+head's nearest keys")."""
 
 from __future__ import annotations
 
