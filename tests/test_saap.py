@@ -346,6 +346,29 @@ def test_faiss_cpu_kmeans_finds_the_clusters():
         clusters_for(8, 20)
 
 
+@pytest.mark.parametrize("missing,message", [("faiss", "needs faiss: pip install faiss-cpu"),
+                                              ("numpy.core.broken", "faiss is installed but does not import")])
+def test_faiss_missing_or_broken_is_one_clear_error(monkeypatch, missing, message):
+    """Not installed: how to install it. Installed but failing to import (a library it loads): that failure, not
+    advice to install what is there."""
+    import builtins
+    import sys
+
+    from sparsekv.saap.kmeans import faiss_backend
+
+    real = builtins.__import__
+
+    def fake(name, *args, **kwargs):
+        if name == "faiss":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "faiss", raising=False)
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(SparseKVError, match=message):
+        faiss_backend()
+
+
 def test_folded_query_model_equals_the_batch_normed_one():
     m = QueryModel(2, 3, 8, 16, 5, seed=1)
     g = torch.Generator().manual_seed(2)

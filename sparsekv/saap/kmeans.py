@@ -31,7 +31,10 @@ def faiss_backend() -> tuple[object, str]:
     """(the faiss module, "faiss-gpu" | "faiss-cpu"); a clear error when neither is installed."""
     try:
         import faiss
-    except ImportError:
+    except ImportError as e:
+        if e.name != "faiss":  # installed, but it or a library it loads is broken: say what failed
+            raise SparseKVError(f"faiss is installed but does not import ({e}); reinstall faiss-cpu (or "
+                                "faiss-gpu)") from None
         raise SparseKVError("sparsekv index needs faiss: pip install faiss-cpu (or faiss-gpu where its wheel "
                             "runs)") from None
     gpu = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
