@@ -333,8 +333,30 @@ def test_largest_fitting_matches_brute_force():
 # ---------------------------------------------------------------- qa: datasets or a stated skip
 
 
+def test_qa_is_skipped_with_the_reason_when_datasets_is_not_installed(tok, monkeypatch):
+    import builtins
+    import sys
+
+    real = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "datasets", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    ruler_qa.clear_cache()
+    try:
+        samples, skipped = make_samples(tok, 1024, 1, subtasks="qa_1,niah_single_1")
+        assert [s.subtask for s in samples] == ["niah_single_1"]
+        assert "needs the `datasets` package: pip install 'sparsekv[data]'" in skipped["qa_1"]
+    finally:
+        ruler_qa.clear_cache()
+
+
 def test_qa_is_skipped_with_the_reason_when_datasets_cannot_load(tok, monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the test extra (sparsekv[test]) brings datasets")
 
     def no_hub(*a, **k):
         raise ConnectionError("Couldn't reach 'rajpurkar/squad_v2' on the Hub (LocalEntryNotFoundError)")
@@ -354,7 +376,7 @@ def test_qa_is_skipped_with_the_reason_when_datasets_cannot_load(tok, monkeypatc
 
 
 def test_qa_skips_at_once_when_the_hub_is_unreachable(tok, monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the test extra (sparsekv[test]) brings datasets")
 
     def must_not_load(*a, **k):
         raise AssertionError("load_dataset called although the Hub is unreachable and nothing is cached")
@@ -388,7 +410,7 @@ HOTPOT = [{"question": f"Which came first, thing {i} or thing {i + 1}?", "answer
 
 
 def test_qa_prompts_from_datasets_rows(tok, monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the test extra (sparsekv[test]) brings datasets")
 
     def fake(hub_id, config=None, split=None):
         return SQUAD if hub_id == "rajpurkar/squad_v2" else HOTPOT
