@@ -641,11 +641,10 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         return out, None
 
     def force(base: count_select.BaseStep | None) -> None:
-        """The forcing launch, with the counting select's first step in it when `base` is given."""
+        """The forcing launch, with the counting select's first step in it when `base` is given (at the forcing
+        step's 8 warps, which the first step also takes by default)."""
         rows, b_step, consts = (0, (out,) * 3 + (0,) * 5, {}) if base is None else \
             (base.rows, base.args, dict(base.consts, BASE=True))  # without BASE the placeholders are never read
-        if base is not None and base.num_warps != 8:
-            raise ValueError("the forcing launch runs with 8 warps, the select's first step too")
         _force_head_top_kernel[(B * Hq + rows,)](
             cand, qw, kw, out, grid[0], length, Hkv,
             qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
