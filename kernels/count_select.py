@@ -10,7 +10,8 @@ read in TILEs):
            estimate of the row's k-th smallest value; exact, from a histogram of their top 6 bits and one of the
            low bits in the bin that holds it, `tl.histogram`: a warp ballot per bit) and records the base of a
            window of 62 values around it (centred; higher when ks is small, as a sample's few smallest overestimate
-           the row's). It also clears the row's window histogram GH.
+           the row's). It also clears the row's window histogram GH. A caller may run this step in a launch of
+           its own beside other work (`smallest_k(first=)`: code_topk's head_top forcing step).
 2. window  every program histograms its values into WIN = 64 bins: bin 0 below the base, one bin per value of the
            window, the last bin above it. It keeps the histogram, cumulated, in PH and adds it to GH with atomics.
            This replaces the two full passes of the first design (top 6 bits of every value, then the low bits in
