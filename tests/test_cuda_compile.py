@@ -2,19 +2,22 @@
 
 Every method decodes a few tokens of the tiny model on the kernel path under the interpreter (the replayed step's
 device-side paths included), a prompt is prefilled in chunks, and the counting select runs with several chunks (the
-path of long rows); each distinct launch is then compiled for sm_90 (tests/cuda_compile.py). The interpreter
-accepts code the CUDA compiler refuses; this catches that class of error where CI has no GPU.
+path of long rows); each distinct launch is then compiled for sm_90 (tests/cuda_compile.py), and so are the
+variants only a GPU launches (`gpu_paths`: inline PTX, paired reductions, int64 code lanes). The interpreter accepts
+code the CUDA compiler refuses; this catches that class of error where CI has no GPU.
 """
 
 import functools
 
 import pytest
 import torch
+import triton
 
 import sparsekv.decode as decode
 from sparsekv.decode import generate, prefill
 from sparsekv.kernels.codes import code_topk
 from sparsekv.kernels.count_select import smallest_k
+from sparsekv.kernels.gemv import linear
 from sparsekv.methods import get_method
 from sparsekv.methods.spotlight import untrained_hashes
 from sparsekv.saap.model import random_index
@@ -31,7 +34,22 @@ METHODS = [("dense", {}), ("oracle", {"budget": 24}), ("streaming", {"budget": 1
 
 # kernels a GPU decode step of these methods launches; the test fails if the workload stops reaching one
 EXPECTED = {"_code_distance_kernel", "_force_head_top_kernel", "_base_kernel", "_window_kernel", "_emit_kernel",
-            "_row_kernel", "_prefill_kernel"}
+            "_row_kernel", "_prefill_kernel", "_gemv_kernel", "_partial_kernel", "_merge_kernel"}
+
+
+def gpu_paths(spec: dict):
+    """The launch as a GPU makes it where the interpreter cannot: POPC on (an inline PTX popcount;
+    kernels/codes.py), PAIR on (two-operand reductions; kernels/topk/fused.py), and 2-bit codes read as int64 lane
+    pairs (codes.py::_launch_distance with popc 2: half the int32 lanes, their words' sums in bytes while they fit)."""
+    c = spec["consts"]
+    for flag in ("POPC", "PAIR"):
+        if c.get(flag) is False:
+            yield {**spec, "consts": {**c, flag: True}}
+    if spec["name"] == "_code_distance_kernel" and c["FAST"] and c["LANE_BITS"] == 32 and c["NW"] % 2 == 0:
+        nw = c["NW"] // 2
+        yield {**spec, "sig": {**spec["sig"], "QW": "*i64", "KW": "*i64"},
+               "consts": {**c, "POPC": True, "LANE_BITS": 64, "NW": nw, "BLOCK_W": triton.next_power_of_2(nw),
+                          "BYTE_SUM": nw * 12 <= 255}}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every launch compiles for it")
@@ -51,7 +69,16 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
         code_topk(qw, kw, 500, 128, 60, 1, pool="sum", head_top=3, ties="high", _chunk=128)
         smallest_k(torch.randint(0, 300, (2, 700), generator=g, dtype=torch.int32).to(torch.int16), 50, 300,
                    _chunk=128)
+        # Adamas' codes at head dim 128 (16 words a key: the GPU's int64 lanes, below), per query head and pooled
+        qw = torch.randint(-32768, 32767, (1, 4, 16), generator=g, dtype=torch.int32).to(torch.int16)
+        kw = torch.randint(-32768, 32767, (1, 1, 300, 16), generator=g, dtype=torch.int32).to(torch.int16)
+        for pool in (None, "sum"):
+            code_topk(qw, kw, 300, 128, 40, 2, pool=pool, ties="high", _chunk=128)
+        # the linear layers of a bf16/fp16 model's decode step
+        linear(torch.randn(2, 64).half(), torch.randn(48, 64).half(), torch.randn(48).half())
     launched = {s["name"] for s in specs.values()}
     assert EXPECTED <= launched, f"the workload no longer launches {sorted(EXPECTED - launched)}"
-    errors = compile_for_cuda(specs.values())
+    todo = list(specs.values()) + [v for s in specs.values() for v in gpu_paths(s)]
+    assert len(todo) > len(specs)  # the GPU-only paths are among them
+    errors = compile_for_cuda(todo)
     assert not errors, "\n".join(errors)
