@@ -79,7 +79,9 @@ for s in json.load(sys.stdin):
     src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in s["consts"].items()})
     try:
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": s["num_warps"]})
-    except Exception as e:  # noqa: BLE001 - every failure is reported
+    except Exception as e:  # noqa: BLE001 - every failure is reported, with its innermost cause
+        while e.__cause__ is not None:
+            e = e.__cause__
         errors.append(f"{s['module']}.{s['name']} {s['consts']}: {type(e).__name__}: {str(e)[-2000:]}")
 json.dump(errors, sys.stdout)
 """

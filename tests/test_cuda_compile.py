@@ -18,6 +18,7 @@ from sparsekv.decode import generate, prefill
 from sparsekv.kernels.codes import code_topk
 from sparsekv.kernels.count_select import smallest_k
 from sparsekv.kernels.gemv import linear
+from sparsekv.kernels.hash_mlp import mlp_hash_pack
 from sparsekv.methods import get_method
 from sparsekv.methods.spotlight import untrained_hashes
 from sparsekv.saap.model import random_index
@@ -76,6 +77,9 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
             code_topk(qw, kw, 300, 128, 40, 2, pool=pool, ties="high", _chunk=128)
         # the linear layers of a bf16/fp16 model's decode step
         linear(torch.randn(2, 64).half(), torch.randn(48, 64).half(), torch.randn(48).half())
+        # a decode step's query hash on a GPU: the hidden units split over programs (too few rows to fill it)
+        h = untrained_hashes(1, 2, 64)
+        mlp_hash_pack(torch.randn(1, 4, 1, 64, generator=g), h["w1"][0], h["b1"][0], h["w2"][0], split=True)
     launched = {s["name"] for s in specs.values()}
     assert EXPECTED <= launched, f"the workload no longer launches {sorted(EXPECTED - launched)}"
     todo = list(specs.values()) + [v for s in specs.values() for v in gpu_paths(s)]
