@@ -104,10 +104,10 @@ def _prefill_kernel(
 
     rows = offs_m.to(tl.int64)[:, None]  # a long chunk times a wide row stride can pass 2^31
     q_ptrs = Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows * stride_qm + d[None, :]
-    if PAD:
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    else:  # a power-of-two head dim: no lane mask
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    io_ok = row_ok[:, None]  # the rows read and written
+    if PAD:  # and their lanes below D (a power-of-two head dim needs no lane mask)
+        io_ok = io_ok & d_ok[None, :]
+    q = tl.load(q_ptrs, mask=io_ok, other=0.0)
 
     # key tiles of this block: [first, end) in all, of which [band_lo, band_hi) are seen whole by every row
     p_lo = off + m0
@@ -134,10 +134,7 @@ def _prefill_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = O + b * stride_ob + h.to(tl.int64) * stride_oh + rows * stride_om + d[None, :]
-    if PAD:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=io_ok)
 
 
 def prefill_config(D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:

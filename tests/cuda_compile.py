@@ -44,11 +44,11 @@ def recording(specs: dict):
     real = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        params = inspect.signature(self.fn).parameters
-        bound = inspect.signature(self.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in _OPTIONS})
+        signature = inspect.signature(self.fn)
+        bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k not in _OPTIONS})
         bound.apply_defaults()
         sig, consts = {}, {}
-        for name, p in params.items():
+        for name, p in signature.parameters.items():
             v = bound.arguments[name]
             if "constexpr" in str(p.annotation) or v is None:
                 consts[name] = _constexpr_value(v)
