@@ -29,3 +29,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def unimportable(monkeypatch):
+    """unimportable(module, missing=module): `import module` (and its submodules) raises ModuleNotFoundError for
+    `missing`, as when it is not installed (missing == module) or a library it loads is absent (another name)."""
+    import builtins
+    import sys
+
+    real = builtins.__import__
+
+    def hide(module: str, missing: str | None = None) -> None:
+        missing = missing or module
+
+        def fake(name, *args, **kwargs):
+            if name == module or name.startswith(module + "."):
+                raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+            return real(name, *args, **kwargs)
+
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        monkeypatch.setattr(builtins, "__import__", fake)
+
+    return hide

@@ -333,19 +333,8 @@ def test_largest_fitting_matches_brute_force():
 # ---------------------------------------------------------------- qa: datasets or a stated skip
 
 
-def test_qa_is_skipped_with_the_reason_when_datasets_is_not_installed(tok, monkeypatch):
-    import builtins
-    import sys
-
-    real = builtins.__import__
-
-    def no_datasets(name, *args, **kwargs):
-        if name == "datasets" or name.startswith("datasets."):
-            raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
-        return real(name, *args, **kwargs)
-
-    monkeypatch.delitem(sys.modules, "datasets", raising=False)
-    monkeypatch.setattr(builtins, "__import__", no_datasets)
+def test_qa_is_skipped_with_the_reason_when_datasets_is_not_installed(tok, unimportable):
+    unimportable("datasets")
     ruler_qa.clear_cache()
     try:
         samples, skipped = make_samples(tok, 1024, 1, subtasks="qa_1,niah_single_1")

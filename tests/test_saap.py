@@ -348,23 +348,12 @@ def test_faiss_cpu_kmeans_finds_the_clusters():
 
 @pytest.mark.parametrize("missing,message", [("faiss", "needs faiss: pip install faiss-cpu"),
                                               ("numpy.core.broken", "faiss is installed but does not import")])
-def test_faiss_missing_or_broken_is_one_clear_error(monkeypatch, missing, message):
+def test_faiss_missing_or_broken_is_one_clear_error(unimportable, missing, message):
     """Not installed: how to install it. Installed but failing to import (a library it loads): that failure, not
     advice to install what is there."""
-    import builtins
-    import sys
-
     from sparsekv.saap.kmeans import faiss_backend
 
-    real = builtins.__import__
-
-    def fake(name, *args, **kwargs):
-        if name == "faiss":
-            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.delitem(sys.modules, "faiss", raising=False)
-    monkeypatch.setattr(builtins, "__import__", fake)
+    unimportable("faiss", missing)
     with pytest.raises(SparseKVError, match=message):
         faiss_backend()
 
