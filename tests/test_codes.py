@@ -474,7 +474,7 @@ def test_gpu_distance_lane_paths(bits):
         kw = _random_words((B, 2, Lmax), D, bits, seed=D + s).cuda()[:, :, s:]  # a view past row s, as the sink
         ref = code_distance_reference(qw, kw[:, :, :length], D, bits)
         for popc in (0, 1, 2):
-            out = _launch_distance(qw, kw, length, D, bits, "l1", None, torch.int32, False, None, 4, popc=popc)
+            out = _launch_distance(qw, kw, length, D, bits, "l1", None, torch.int32, False, None, 4, popc=popc)[0]
             assert torch.equal(out, ref), (D, G, s, popc)
         for pool in ("sum", "min"):  # the default path, pooled in the kernel
             ref = code_distance_reference(qw, kw[:, :, :length], D, bits, pool=pool)
