@@ -227,6 +227,7 @@ def test_generation_from_a_shared_prefill_adds_no_kv_copy_on_gpu():
         generate(lm, None, get_method(name, **opts), 16, stop_on_eos=False, prefilled=pf)
         grew = torch.cuda.max_memory_allocated() - before
         assert grew < kv / 2, (name, grew, kv)
+        torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps a workspace per new stream (the graph's): not a cache
         assert torch.cuda.memory_allocated() - before < 64 << 20  # the generation's cache is freed when it ends
 
 
