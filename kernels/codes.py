@@ -346,6 +346,60 @@ def _dist_generic(kf, q, BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr
     return tl.sum(tl.sum(d, axis=2), axis=1)
 
 
+@triton.jit
+def _key_prep(k, FAST: tl.constexpr, HAMMING: tl.constexpr, LANE_BITS: tl.constexpr, POPC: tl.constexpr,
+              BITS: tl.constexpr, PW: tl.constexpr, PW2: tl.constexpr):
+    """A key tile's words k [BL, BW] as loaded, made into what _distance_to reads (four tensors, by path), once for
+    every query head that reads them: int64 lane pairs' four words (_pair_words); POPC planes; SWAR thermometer
+    planes; Hamming lanes; or the unpacked codes [BL, BW, PW2] of the other (bits, metric)."""
+    if LANE_BITS == 64:
+        a, b, c, d = _pair_words(k)
+    elif FAST or HAMMING:
+        k = k.to(tl.int32)
+        if LANE_BITS == 16:
+            k = k & 0xFFFF  # int16 words sign-extend: keep their 16 bits only
+        if FAST and POPC:
+            a, b = _planes(k)
+            c, d = a, b
+        elif FAST:
+            lo = k & 0x55555555
+            hi = (k >> 1) & 0x55555555
+            a, b, c, d = hi | lo, hi, hi & lo, k
+        else:
+            a, b, c, d = k, k, k, k
+    else:
+        a = _fields(k.to(tl.int32) & 0xFFFF, BITS, PW, PW2)
+        b, c, d = a, a, a
+    return a, b, c, d
+
+
+@triton.jit
+def _distance_to(a, b, c, d, q, FAST: tl.constexpr, HAMMING: tl.constexpr, LANE_BITS: tl.constexpr,
+                 POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
+                 PW2: tl.constexpr, L2: tl.constexpr):
+    """Distances [BL] of the keys _key_prep made (a, b, c, d) to one query's words q [BW] as loaded."""
+    if LANE_BITS == 64:
+        dist = _l1_2bit_pairs(a, b, c, d, q)
+    elif FAST:
+        q = q.to(tl.int32)
+        if LANE_BITS == 16:
+            q = q & 0xFFFF
+        if POPC:
+            q_a, q_b = _planes(q)
+            dist = tl.sum(_popc(a ^ q_a[None, :]) + _popc(b ^ q_b[None, :]), axis=1)
+        else:
+            part = _l1_2bit_lanes(a, b, c, q)
+            if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
+                dist = _bytes_to_int(tl.sum(part, axis=1))
+            else:
+                dist = tl.sum(_bytes_to_int(part), axis=1)
+    elif HAMMING:
+        dist = _hamming(a, q, LANE_BITS, POPC, BYTE_SUM)
+    else:
+        dist = _dist_generic(a, q.to(tl.int32) & 0xFFFF, BITS, PW, PW2, L2)
+    return dist
+
+
 # A block's candidate packs a query head's smallest distance in it with that key's place in the block:
 # (distance << 13) | local, local counted from the block's end with ties to the higher index, so the smaller int32 is
 # the better key; 0x7FFFFFFF: no valid key.
@@ -382,7 +436,8 @@ def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                            G: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, LANE_BITS: tl.constexpr,
                            POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr,
                            BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr,
-                           BOUNDS: tl.constexpr, BASE: tl.constexpr = False, S: tl.constexpr = 1,
+                           BOUNDS: tl.constexpr, FAST: tl.constexpr = False, BASE: tl.constexpr = False,
+                           S: tl.constexpr = 1,
                            SHIFT: tl.constexpr = 0, VMAX: tl.constexpr = 1, NB2: tl.constexpr = 32,
                            FORCE_MISS: tl.constexpr = False):
     """Programs [0, B * Hq) force each query head's nearest keys (_force_head_top); the last `base_rows` run the
@@ -395,7 +450,7 @@ def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
     if row < n_force:
         _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv, stride_qb, stride_qh, stride_kb, stride_kh,
                         stride_kn, stride_db, stride_dh, LENS, span, sink, window, lo, row, G, M, NW, LANE_BITS,
-                        POPC, BYTE_SUM, BLOCK_L, BLOCK_W, BLOCK_C, M_P2, TIES_HIGH, BOUNDS)
+                        POPC, BYTE_SUM, BLOCK_L, BLOCK_W, BLOCK_C, M_P2, TIES_HIGH, BOUNDS, FAST)
     elif BASE:
         count_select._window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, row - n_force, S, SHIFT, VMAX, NB2,
                                   FORCE_MISS)
@@ -407,12 +462,14 @@ def _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                     LENS, span, sink, window, lo, row,
                     G: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, LANE_BITS: tl.constexpr,
                     POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr,
-                    BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr, BOUNDS: tl.constexpr):
+                    BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr, BOUNDS: tl.constexpr,
+                    FAST: tl.constexpr):
     """Program `row` (b * Hq + query head) sets the pooled distance of the head's M nearest keys to 0, below
     every other key's (the distance kernel added 1 to those). Those keys lie in the M blocks whose nearest keys are
     the M best of the blocks' (M keys of those blocks beat any key of another), so the program takes these blocks
     from the candidates (M passes, each the smallest above the last), reads their codes again for its query (M x
-    BLOCK_L keys) and takes their M best. The heads of a group write the same zeros."""
+    BLOCK_L keys) and takes their M best. The heads of a group write the same zeros. Codes: 1-bit (Hamming) or, with
+    FAST, 2-bit (L1)."""
     b = row // (Hkv * G)
     h = row % (Hkv * G)
     kv = h // G
@@ -436,11 +493,11 @@ def _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv,
     w = tl.arange(0, BLOCK_W)
     w_ok = w < NW
     k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
-                mask=ok[:, None] & w_ok[None, :], other=0).to(tl.int32)
-    if LANE_BITS == 16:
-        k = k & 0xFFFF
+                mask=ok[:, None] & w_ok[None, :], other=0)
+    k_a, k_b, k_c, k_d = _key_prep(k, FAST, not FAST, LANE_BITS, POPC, 1, 16, 16)
     q = tl.load(QW + b * stride_qb + h * stride_qh + w, mask=w_ok, other=0)
-    key = tl.where(ok, _order_keys(_hamming(k, q, LANE_BITS, POPC, BYTE_SUM), keys, TIES_HIGH), 1 << 62)
+    dist = _distance_to(k_a, k_b, k_c, k_d, q, FAST, not FAST, LANE_BITS, POPC, BYTE_SUM, 1, 16, 16, False)
+    key = tl.where(ok, _order_keys(dist, keys, TIES_HIGH), 1 << 62)
     last = tl.full([], -1, tl.int64)
     for j in tl.static_range(M):  # the M best keys of those blocks
         best = tl.min(tl.where(key > last, key, 1 << 62), axis=0)
@@ -474,22 +531,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
     # the key tile, read once for the whole query group; padding words read as 0 (code 0 on both sides: adds 0)
     k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
                 mask=k_ok[:, None] & w_ok[None, :], other=0)
-    if LANE_BITS == 64:  # POPC pairs: lanes 2i and 2i + 1 of the key, their words made once for the group
-        k_o, k_13, k_23, k_3 = _pair_words(k)
-    elif FAST or HAMMING:
-        k = k.to(tl.int32)
-        if LANE_BITS == 16:
-            k = k & 0xFFFF  # int16 words sign-extend: keep their 16 bits only
-        if FAST:
-            if POPC:
-                k_a, k_b = _planes(k)
-            else:
-                k_lo = k & 0x55555555
-                k_hi = (k >> 1) & 0x55555555
-                k_t0 = k_hi | k_lo
-                k_t2 = k_hi & k_lo
-    else:  # unpacked once per key tile, shared by the query group
-        kf = _fields(k.to(tl.int32) & 0xFFFF, BITS, PW, PW2)
+    k_a, k_b, k_c, k_d = _key_prep(k, FAST, HAMMING, LANE_BITS, POPC, BITS, PW, PW2)  # once for the group
     q_base = QW + b * stride_qb + (kv * G) * stride_qh
     o_base = OUT + b * stride_ob
     if POOL == 2:
@@ -498,25 +540,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
         pooled = tl.zeros([BLOCK_L], tl.int32)
     for g in tl.static_range(G):
         q = tl.load(q_base + g * stride_qh + w, mask=w_ok, other=0)
-        if LANE_BITS == 64:
-            dist = _l1_2bit_pairs(k_o, k_13, k_23, k_3, q)
-        elif FAST:
-            q = q.to(tl.int32)
-            if LANE_BITS == 16:
-                q = q & 0xFFFF
-            if POPC:
-                q_a, q_b = _planes(q)
-                dist = tl.sum(_popc(k_a ^ q_a[None, :]) + _popc(k_b ^ q_b[None, :]), axis=1)
-            else:
-                part = _l1_2bit_lanes(k_t0, k_hi, k_t2, q)
-                if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
-                    dist = _bytes_to_int(tl.sum(part, axis=1))
-                else:
-                    dist = tl.sum(_bytes_to_int(part), axis=1)
-        elif HAMMING:
-            dist = _hamming(k, q, LANE_BITS, POPC, BYTE_SUM)
-        else:
-            dist = _dist_generic(kf, q.to(tl.int32) & 0xFFFF, BITS, PW, PW2, L2)
+        dist = _distance_to(k_a, k_b, k_c, k_d, q, FAST, HAMMING, LANE_BITS, POPC, BYTE_SUM, BITS, PW, PW2, L2)
         if POOL == 0:
             val = dist
             if NEGATE:
@@ -572,8 +596,8 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
     int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2).
     bounds: RowBounds; keys outside a row's region get `fill` instead of their distance.
-    head_top m > 0 (1-bit codes, pool "sum", distances out): the pooled distances + 1, and every block's nearest key
-    per query head; the second value returned then launches the forcing step (_force_head_top_kernel: 0 for each
+    head_top m > 0 (1-bit or 2-bit L1 codes, pool "sum", distances out): the pooled distances + 1, and every
+    block's nearest key per query head; the second value returned then launches the forcing step (_force_head_top_kernel: 0 for each
     query head's m nearest keys of the region, ties as `ties`), given the counting select's first step to run in
     the same launch or None (else it is None). Returns (distances, that launcher)."""
     if metric not in ("l1", "l2"):
@@ -617,10 +641,12 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     else:  # the unpacked key tile [BLOCK_L, BLOCK_W, PW2] does: about 8K codes per program
         BLOCK_L = block_l or max(16, 8192 // (BLOCK_W * triton.next_power_of_2(pw)))
     grid = (triton.cdiv(length, BLOCK_L), B * Hkv)
+    byte_sum = (fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255)  # per-byte sums fit a byte over a row
     cand = None
     if head_top:
-        if pool != "sum" or negate or not hamming or BLOCK_L > 1 << _LOCAL_BITS:
-            raise ValueError("head_top needs 1-bit codes, pool='sum', distances out and blocks of at most 8192 keys")
+        if pool != "sum" or negate or not (hamming or fast) or BLOCK_L > 1 << _LOCAL_BITS:
+            raise ValueError("head_top needs 1-bit or 2-bit L1 codes, pool='sum', distances out and blocks of at "
+                             "most 8192 keys")
         cand = torch.empty(B, Hq, grid[0], dtype=torch.int32, device=q_words.device)
     if bounds is not None:
         bounds.check(B, q_words.device)
@@ -631,7 +657,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
         lens, *b_args,
         G=G, NW=NW, FAST=fast, HAMMING=hamming, LANE_BITS=qw.element_size() * 8,
-        BYTE_SUM=(fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255), BITS=bits, PW=pw,
+        BYTE_SUM=byte_sum, BITS=bits, PW=pw,
         PW2=triton.next_power_of_2(pw), L2=metric == "l2",
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
         POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill, DENSE_ROWS=kw.stride(2) == NW == BLOCK_W,
@@ -643,15 +669,16 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     def force(base: count_select.BaseStep | None) -> None:
         """The forcing launch, with the counting select's first step in it when `base` is given (at the forcing
         step's 8 warps, which the first step also takes by default)."""
-        rows, b_step, consts = (0, (out,) * 3 + (0,) * 5, {}) if base is None else \
+        rows, b_step, b_consts = (0, (out,) * 3 + (0,) * 5, {}) if base is None else \
             (base.rows, base.args, dict(base.consts, BASE=True))  # without BASE the placeholders are never read
         _force_head_top_kernel[(B * Hq + rows,)](
             cand, qw, kw, out, grid[0], length, Hkv,
             qw.stride(0), qw.stride(1), kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1),
             lens, *b_args, *b_step, rows,
-            G=G, M=head_top, NW=NW, LANE_BITS=qw.element_size() * 8, POPC=popc > 0, BYTE_SUM=NW * 8 <= 255,
+            G=G, M=head_top, NW=NW, LANE_BITS=qw.element_size() * 8, POPC=popc > 0, BYTE_SUM=byte_sum,
             BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, BLOCK_C=min(triton.next_power_of_2(grid[0]), 2048),
-            M_P2=triton.next_power_of_2(head_top), TIES_HIGH=ties == "high", BOUNDS=bounds is not None, **consts,
+            M_P2=triton.next_power_of_2(head_top), TIES_HIGH=ties == "high", BOUNDS=bounds is not None, FAST=fast,
+            **b_consts,
             num_warps=8)  # reductions one after another: code_topk at M 4 took 27.3 µs with 8 warps, 29.0 with 4
             # (H200, 8 x 131072 keys, group of 4)
 
@@ -702,7 +729,7 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]) or `bounds`
     (RowBounds: the same as a region per row, applied inside the distance kernel with no mask tensor; its `lo` is
     where k_words was sliced): keys outside are chosen last (given the largest value the select counts).
-    `head_top` m (pool "sum", 1-bit codes): each query head's own m nearest keys of the region come first (ties as
+    `head_top` m (pool "sum", 1-bit or 2-bit L1 codes): each query head's own m nearest keys of the region come first (ties as
     `ties`), the rest by the group's summed distance: a head whose match the group's sum would dilute still gets it
     (the reference: `head_top_reference` on the per-head distances, forced keys ranked above the rest). The step
     that forces them shares its launch with the counting select's first step (`smallest_k(first=)`), so head_top
@@ -826,8 +853,8 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
 
 def code_topk_supported(d: int, bits: int, metric: str, group: int, head_top: int = 0) -> bool:
     """Whether code_topk handles rows pooled over `group` query heads (their largest distance, + 1 with head_top,
-    fits its counting; head_top on 1-bit codes only)."""
-    if head_top and bits != 1:
+    fits its counting; head_top on 1-bit codes and 2-bit L1 codes only)."""
+    if head_top and not (bits == 1 or (bits == 2 and metric == "l1")):
         return False
     return (_max_distance(d, bits, metric, group) + (1 if head_top else 0)).bit_length() <= count_select.MAX_BITS
 

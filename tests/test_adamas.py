@@ -48,14 +48,14 @@ DIST = [[0, 12, 13, 4, 2, 14, 3, 12], [12, 24, 1, 16, 14, 10, 15, 24]]
 interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need TRITON_INTERPRET")
 
 
-def hand_built(hadamard=True, rotate=True, **options):
+def hand_built(hadamard=True, rotate=True, budget=4, **options):
     """The example through `append` and `select`; returns (method, state, selection)."""
     H = hadamard_matrix(8)
     q = LEVEL[torch.tensor(Q_CODES)]
     k = LEVEL[torch.tensor(K_CODES)]
     if rotate:  # x = y Hᵀ has Hadamard transform x H = y (H is orthonormal)
         q, k = q @ H.T, k @ H.T
-    m = get_method("adamas", budget=4, thresholds=(-1, 0, 1), hadamard=hadamard, **options)
+    m = get_method("adamas", budget=budget, thresholds=(-1, 0, 1), hadamard=hadamard, **options)
     st = m.new_state(0, CacheShape(1, 1, 2, 8, 16, torch.float32, torch.device("cpu")))
     st.keys = torch.zeros(1, 1, 16, 8)
     st.keys[0, 0, :8] = k
@@ -92,6 +92,21 @@ def test_kernel_path_selects_the_same(monkeypatch, opts):
     _, st_ker, ker = hand_built(**opts)
     assert torch.equal(st_ker.codes, st_ref.codes)
     assert [sorted(r) for r in ker.indices[0].tolist()] == [sorted(r) for r in ref.indices[0].tolist()]
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_head_top_keeps_each_heads_nearest(monkeypatch, flag):
+    """Budget 5 (4 chosen): the group's sum picks {0, 2, 4, 6}; with head_top 2 each head's two nearest come first,
+    qA's {0, 4} and qB's {2, 5}, so key 5 (qB's second, distance 10) displaces key 6 (qA's third). Torch path and
+    kernel path (interpreted on the CPU)."""
+    if flag == "1" and torch.cuda.is_available():
+        pytest.skip("CPU tensors need TRITON_INTERPRET")
+    monkeypatch.setenv("SPARSEKV_KERNELS", flag)
+    _, _, group = hand_built(budget=5, pooling="group")
+    assert sorted(group.indices[0, 0].tolist()) == [0, 2, 4, 6]
+    m, _, sel = hand_built(budget=5, pooling="group", head_top=2)
+    assert sorted(sel.indices[0, 0].tolist()) == [0, 2, 4, 5]
+    assert m.config()["head_top"] == 2 and hand_built(head_top=2)[0].config()["head_top"] == 0  # per head anyway
 
 
 @interpreter_only
@@ -235,13 +250,15 @@ def test_gpu_rerank_selects_as_the_cpu(pooling):
 def test_defaults_and_bad_options():
     cfg = get_method("adamas", budget=64).config()
     assert cfg["thresholds"] == [-10.0, 0.0, 10.0] and (cfg["sink"], cfg["window"]) == (0, 1)
-    assert (cfg["hadamard"], cfg["bits"], cfg["distance"], cfg["rerank"]) == (True, 2, "l1", 1)
+    assert (cfg["hadamard"], cfg["bits"], cfg["distance"], cfg["rerank"], cfg["head_top"]) == (True, 2, "l1", 1, 0)
     for bits in (1, 3):  # more bits refine the 2-bit codes: their thresholds contain the 2-bit ones
         assert set(FIXED_THRESHOLDS[bits]) <= set(FIXED_THRESHOLDS[3])
     for opts, msg in [({"bits": 4}, "bits must be 1, 2 or 3"), ({"distance": "cos"}, "unknown distance"),
                       ({"thresholds": (1, 0, 2)}, "non-decreasing"), ({"thresholds": (0, 1)}, "must have 3"),
                       ({"thresholds": (0, math.nan, 1)}, "NaN"), ({"rerank": 0}, "rerank must be"),
-                      ({"rerank": 1.5}, "rerank must be"), ({"rerank": True}, "rerank must be")]:
+                      ({"rerank": 1.5}, "rerank must be"), ({"rerank": True}, "rerank must be"),
+                      ({"head_top": -1}, "head_top must be"),
+                      ({"head_top": 2, "distance": "ip"}, "head_top ranks code distances")]:
         with pytest.raises(SparseKVError, match=msg):
             get_method("adamas", budget=8, **opts)
     with pytest.raises(SparseKVError, match="head dim 10"):

@@ -218,6 +218,8 @@ def head_top_want(qw, kw, n, D, bits, k, m, ties, lo=0, keep=None):
     (2, 6, 2, 64, 1, 300, 40, 4, 32),  # groups of 3, two rows
     (1, 4, 2, 64, 1, 200, 5, 4, 16),  # more forced keys than k: the newest / oldest of them
     (1, 2, 1, 64, 1, 40, 40, 8, 16),  # k = every key
+    (1, 8, 2, 128, 2, 400, 50, 4, 64),  # Adamas: 2-bit L1 codes, 16 words a key
+    (2, 4, 2, 64, 2, 300, 30, 2, 32),  # 2-bit, 8 words a key
 ])
 @pytest.mark.parametrize("ties", ["low", "high"])
 def test_code_topk_head_top(B, Hq, Hkv, D, bits, L, k, m, block_l, ties):
@@ -252,10 +254,12 @@ def test_code_topk_head_top_in_row_bounds():
         code_topk(qw, kw, n, D, 5, 1, pool=None, head_top=2)
     with pytest.raises(ValueError, match="head_top"):
         code_topk(qw, kw, n, D, 5, 1, pool="sum", keep=keep, head_top=2)
-    q2, k2 = _codes(1, 4, 2, 50, 64, 2, 6)  # 2-bit codes: code_topk refuses, the callers rank code_scores instead
-    assert not code_topk_supported(64, 2, "l1", 2, head_top=2) and code_topk_supported(64, 1, "l1", 2, head_top=2)
-    with pytest.raises(ValueError, match="head_top needs 1-bit codes"):
-        code_topk(q2, k2, 50, 64, 5, 2, pool="sum", head_top=2)
+    # 2-bit L2 or 3-bit codes: code_topk refuses, the callers rank code_scores instead
+    q2, k2 = _codes(1, 4, 2, 50, 64, 2, 6)
+    assert code_topk_supported(64, 2, "l1", 2, head_top=2) and code_topk_supported(64, 1, "l1", 2, head_top=2)
+    assert not code_topk_supported(64, 2, "l2", 2, head_top=2) and not code_topk_supported(64, 3, "l1", 2, head_top=2)
+    with pytest.raises(ValueError, match="head_top needs 1-bit or 2-bit L1 codes"):
+        code_topk(q2, k2, 50, 64, 5, 2, "l2", pool="sum", head_top=2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")

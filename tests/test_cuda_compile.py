@@ -46,7 +46,8 @@ def gpu_paths(spec: dict):
     for flag in ("POPC", "PAIR"):
         if c.get(flag) is False:
             yield {**spec, "consts": {**c, flag: True}}
-    if spec["name"] == "_code_distance_kernel" and c["FAST"] and c["LANE_BITS"] == 32 and c["NW"] % 2 == 0:
+    if spec["name"] in ("_code_distance_kernel", "_force_head_top_kernel") and c.get("FAST") \
+            and c["LANE_BITS"] == 32 and c["NW"] % 2 == 0:
         nw = c["NW"] // 2
         yield {**spec, "sig": {**spec["sig"], "QW": "*i64", "KW": "*i64"},
                "consts": {**c, "POPC": True, "LANE_BITS": 64, "NW": nw, "BLOCK_W": triton.next_power_of_2(nw),
@@ -75,6 +76,7 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
         kw = torch.randint(-32768, 32767, (1, 1, 300, 16), generator=g, dtype=torch.int32).to(torch.int16)
         for pool in (None, "sum"):
             code_topk(qw, kw, 300, 128, 40, 2, pool=pool, ties="high", _chunk=128)
+        code_topk(qw, kw, 300, 128, 40, 2, pool="sum", head_top=2, _chunk=128)  # Adamas --head-top
         # the linear layers of a bf16/fp16 model's decode step
         linear(torch.randn(2, 64).half(), torch.randn(48, 64).half(), torch.randn(48).half())
         # a decode step's query hash on a GPU: the hidden units split over programs (too few rows to fill it)

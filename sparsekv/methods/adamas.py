@@ -34,7 +34,10 @@ candidates' keys read by kernels/sparse_decode.py::qk_logits; BENCHMARKS.md, "De
 GQA: the query heads of a group use their KV head's thresholds. Pooling "head", the default, chooses per query head,
 as the authors' repeat_kv implementation does (and as `sparsekv calibrate` fits: each query head's own top-k); "group"
 sums the group's negated distances and makes one choice per KV head, which reads fewer keys but ranks worse: with
-the same thresholds it scored lower on SmolLM2's RULER NIAH at 4K and 8K, budgets 64 and 128.
+the same thresholds it scored lower on SmolLM2's RULER NIAH at 4K and 8K, budgets 64 and 128. `head_top` m (ours,
+pooling "group", L1 or L2 codes; off by default) chooses each query head's own m nearest keys first and the rest by
+the group's sum, as for lsh and Spotlight (sparsekv/methods/hashing.py): one choice per KV head that keeps every
+head's sharpest matches.
 """
 
 from __future__ import annotations
@@ -79,12 +82,15 @@ class Adamas(Method):
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, artifact: str | Path | None = None,
                  thresholds: Sequence[float] | torch.Tensor | None = None, hadamard: bool | None = None,
-                 bits: int | None = None, distance: str | None = None, rerank: int | None = None, **options: Any):
+                 bits: int | None = None, distance: str | None = None, rerank: int | None = None,
+                 head_top: int | None = None, **options: Any):
         """`hadamard`, `bits`, `distance` left as None take the artifact's settings, else the paper's
         (True, 2, "l1"). An artifact's bits and transform cannot be overridden: its thresholds live in that space.
-        `rerank` F > 1 (ours): the codes pick F x k candidates and their exact q·k keeps k (selection.rerank_exact)."""
+        `rerank` F > 1 (ours): the codes pick F x k candidates and their exact q·k keeps k (selection.rerank_exact).
+        `head_top` m (ours, pooling "group"): each query head's m nearest keys first (module docstring, GQA)."""
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.rerank = 1 if rerank is None else whole_option(rerank, 1, "adamas: rerank")
+        self.head_top = 0 if head_top is None else whole_option(head_top, 0, "adamas: head_top")
         if artifact is not None and thresholds is not None:
             raise SparseKVError("adamas: give an artifact or explicit thresholds, not both")
         self.artifact = None if artifact is None else str(artifact)
@@ -109,6 +115,8 @@ class Adamas(Method):
             raise SparseKVError(f"adamas: bits must be 1, 2 or 3, got {self.bits}")
         if self.distance not in DISTANCES:
             raise SparseKVError(f"adamas: unknown distance {self.distance!r}: use 'l1', 'l2' or 'ip'")
+        if self.head_top and self.distance == "ip":
+            raise SparseKVError("adamas: head_top ranks code distances (l1, l2), not distance 'ip'")
         n = 2**self.bits - 1
         if self._table is not None:
             for what, t in (("thresholds", self._table), ("query thresholds", self._q_table)):
@@ -172,7 +180,7 @@ class Adamas(Method):
             return topk_selection(self.ip_scores(state, q, lo, hi), split)
         q_words = ops.quantize_pack(q, state.q_thresholds, bits=self.bits, transform=self.hadamard,
                                     append=self.take_pending(state))
-        return code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split)
+        return code_selection(q_words, state.codes, D, self.bits, self.distance, self.pooling, split, self.head_top)
 
     def ip_scores(self, state: AdamasState, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Distance "ip": the query (Hadamard-transformed, not quantized) against the codes of keys [lo, hi) read as
@@ -213,7 +221,8 @@ class Adamas(Method):
         else:
             thresholds = "artifact (per layer and KV head; the queries' apart)"
         cfg.update(hadamard=self.hadamard, bits=self.bits, distance=self.distance, rerank=self.rerank,
-                   artifact=self.artifact, thresholds=thresholds)
+                   head_top=self.head_top if self.pooling is Pooling.GROUP else 0, artifact=self.artifact,
+                   thresholds=thresholds)
         return cfg
 
 

@@ -40,8 +40,8 @@ class MethodOptions:
                                  "the budget (1 = off)")
     page_size: int | None = _option("quest: tokens per page")
     nbits: int | None = _option("lsh: hash bits per key")
-    head_top: int | None = _option("lsh, spotlight: each query head's M nearest keys are chosen first, the rest by "
-                                   "the group's summed distance (pooling 'group'; default 0: off)")
+    head_top: int | None = _option("lsh, spotlight, adamas: each query head's M nearest keys are chosen first, the "
+                                   "rest by the group's summed distance (pooling 'group'; default 0: off)")
     projection: str | None = _option("lsh: its hyperplanes, 'rotation' (angular LSH, the Spotlight paper's linear "
                                      "baseline; default) or 'gaussian' (plain SimHash hyperplanes, as MagicPIG)")
     probes: int | None = _option("saap: buckets visited per query, ℓ (default: the paper's 32 per 1024 buckets)")
