@@ -146,7 +146,8 @@ def test_cli_writes_json(tmp_path):
     (["--method", "dense,oracle", "--rerank", "4"], "--rerank apply to none of the methods"),
     (["--method", "dense,adamas", "--rerank", "0"], "rerank must be a whole number >= 1"),
     (["--method", "dense,lsh", "--head-top", "-1"], "head_top must be a whole number >= 0"),
-    (["--method", "dense,adamas", "--head-top", "2"], "--head-top apply to none of the methods"),
+    (["--method", "dense,quest", "--head-top", "2"], "--head-top apply to none of the methods"),
+    (["--method", "dense,adamas", "--distance", "ip", "--head-top", "2"], "head_top ranks code distances"),
 ])
 def test_cli_bad_input_is_one_line(args, message):
     r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--dtype", "fp32", *args)
