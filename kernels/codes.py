@@ -437,9 +437,8 @@ def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                            POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr,
                            BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr,
                            BOUNDS: tl.constexpr, FAST: tl.constexpr = False, BASE: tl.constexpr = False,
-                           S: tl.constexpr = 1,
-                           SHIFT: tl.constexpr = 0, VMAX: tl.constexpr = 1, NB2: tl.constexpr = 32,
-                           FORCE_MISS: tl.constexpr = False):
+                           S: tl.constexpr = 1, SHIFT: tl.constexpr = 0, VMAX: tl.constexpr = 1,
+                           NB2: tl.constexpr = 32, FORCE_MISS: tl.constexpr = False):
     """Programs [0, B * Hq) force each query head's nearest keys (_force_head_top); the last `base_rows` run the
     counting select's first step for their row (BASE; count_select._window_base, its arguments D .. STRIDE and the
     constexprs from S on): the two are independent, so one launch holds both and the select has one launch fewer.
@@ -597,9 +596,10 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2).
     bounds: RowBounds; keys outside a row's region get `fill` instead of their distance.
     head_top m > 0 (1-bit or 2-bit L1 codes, pool "sum", distances out): the pooled distances + 1, and every
-    block's nearest key per query head; the second value returned then launches the forcing step (_force_head_top_kernel: 0 for each
-    query head's m nearest keys of the region, ties as `ties`), given the counting select's first step to run in
-    the same launch or None (else it is None). Returns (distances, that launcher)."""
+    block's nearest key per query head; the second value returned then launches the forcing step
+    (_force_head_top_kernel: 0 for each query head's m nearest keys of the region, ties as `ties`), given the
+    counting select's first step to run in the same launch or None (else it is None). Returns (distances, that
+    launcher)."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -729,12 +729,13 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
     topk (`code_topk_supported` tells). `keep` (bool, broadcastable to [B, H_out, length]) or `bounds`
     (RowBounds: the same as a region per row, applied inside the distance kernel with no mask tensor; its `lo` is
     where k_words was sliced): keys outside are chosen last (given the largest value the select counts).
-    `head_top` m (pool "sum", 1-bit or 2-bit L1 codes): each query head's own m nearest keys of the region come first (ties as
-    `ties`), the rest by the group's summed distance: a head whose match the group's sum would dilute still gets it
-    (the reference: `head_top_reference` on the per-head distances, forced keys ranked above the rest). The step
-    that forces them shares its launch with the counting select's first step (`smallest_k(first=)`), so head_top
-    adds no launch to a select of several chunks (one layer at 131072 keys, m 4, H100: 54.5 µs with a launch of its
-    own, 51.6 with it shared; BENCHMARKS.md, "Each query head's nearest keys")."""
+    `head_top` m (pool "sum", 1-bit or 2-bit L1 codes): each query head's own m nearest keys of the region come
+    first (ties as `ties`), the rest by the group's summed distance: a head whose match the group's sum would
+    dilute still gets it (the reference: `head_top_reference` on the per-head distances, forced keys ranked above
+    the rest). The step that forces them shares its launch with the counting select's first step
+    (`smallest_k(first=)`), so head_top adds no launch to a select of several chunks (one layer at 131072 keys, m
+    4, H100: 54.5 µs with a launch of its own, 51.6 with it shared; BENCHMARKS.md, "Each query head's nearest
+    keys")."""
     if head_top < 0 or (head_top and (pool != "sum" or keep is not None)):
         raise ValueError(f"head_top={head_top} needs pool='sum' and a region as bounds (not keep)")
     vmax = _max_distance(d, bits, metric, _group(q_words, k_words, pool)) + (1 if head_top else 0)
