@@ -493,6 +493,7 @@ def _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv,
     w_ok = w < NW
     k = tl.load(KW + b * stride_kb + kv * stride_kh + keys[:, None] * stride_kn + w[None, :],
                 mask=ok[:, None] & w_ok[None, :], other=0)
+    # 1-bit or 2-bit L1 codes only (_forces): the other codes' BITS, PW, PW2, L2 below are never read
     k_a, k_b, k_c, k_d = _key_prep(k, FAST, not FAST, LANE_BITS, POPC, 1, 16, 16)
     q = tl.load(QW + b * stride_qb + h * stride_qh + w, mask=w_ok, other=0)
     dist = _distance_to(k_a, k_b, k_c, k_d, q, FAST, not FAST, LANE_BITS, POPC, BYTE_SUM, 1, 16, 16, False)
@@ -644,7 +645,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     byte_sum = (fast and NW * 12 <= 255) or (hamming and NW * 8 <= 255)  # per-byte sums fit a byte over a row
     cand = None
     if head_top:
-        if pool != "sum" or negate or not (hamming or fast) or BLOCK_L > 1 << _LOCAL_BITS:
+        if pool != "sum" or negate or not _forces(bits, metric) or BLOCK_L > 1 << _LOCAL_BITS:
             raise ValueError("head_top needs 1-bit or 2-bit L1 codes, pool='sum', distances out and blocks of at "
                              "most 8192 keys")
         cand = torch.empty(B, Hq, grid[0], dtype=torch.int32, device=q_words.device)
@@ -855,9 +856,14 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
 def code_topk_supported(d: int, bits: int, metric: str, group: int, head_top: int = 0) -> bool:
     """Whether code_topk handles rows pooled over `group` query heads (their largest distance, + 1 with head_top,
     fits its counting; head_top on 1-bit codes and 2-bit L1 codes only)."""
-    if head_top and not (bits == 1 or (bits == 2 and metric == "l1")):
+    if head_top and not _forces(bits, metric):
         return False
     return (_max_distance(d, bits, metric, group) + (1 if head_top else 0)).bit_length() <= count_select.MAX_BITS
+
+
+def _forces(bits: int, metric: str) -> bool:
+    """Whether the head_top forcing step reads these codes: 1-bit (Hamming) or 2-bit L1."""
+    return bits == 1 or (bits == 2 and metric == "l1")
 
 
 def _group(q_words: torch.Tensor, k_words: torch.Tensor, pool: str | None) -> int:
