@@ -515,7 +515,8 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           PW2: tl.constexpr, L2: tl.constexpr, POOL: tl.constexpr, NEGATE: tl.constexpr,
                           BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr,
                           BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0, DENSE_ROWS: tl.constexpr = False,
-                          CAND=None, HEAD_TOP: tl.constexpr = 0, TIES_HIGH: tl.constexpr = False):
+                          CAND=None, HEAD_TOP: tl.constexpr = 0, TIES_HIGH: tl.constexpr = False,
+                          GP: tl.constexpr = 1):
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -538,6 +539,12 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
         pooled = tl.full([BLOCK_L], 2147483647, tl.int32)
     else:
         pooled = tl.zeros([BLOCK_L], tl.int32)
+    if HEAD_TOP > 0:  # every query head's candidates [BLOCK_L, G], reduced once after the group's loop
+        heads = tl.arange(0, GP)
+        local = tl.arange(0, BLOCK_L)
+        at = (BLOCK_L - 1 - local) if TIES_HIGH else local
+        valid = k_ok & inside if BOUNDS else k_ok
+        cands = tl.full([BLOCK_L, GP], 0x7FFFFFFF, tl.int32)
     for g in tl.static_range(G):
         q = tl.load(q_base + g * stride_qh + w, mask=w_ok, other=0)
         dist = _distance_to(k_a, k_b, k_c, k_d, q, FAST, HAMMING, LANE_BITS, POPC, BYTE_SUM, BITS, PW, PW2, L2)
@@ -550,13 +557,12 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
             tl.store(o_base + (kv * G + g) * stride_oh + keys, val.to(OUT.dtype.element_ty), mask=k_ok)
         elif POOL == 1:
             pooled += dist
-            if HEAD_TOP > 0:  # the query head's nearest key of this block (_force_head_top_kernel)
-                valid = k_ok & inside if BOUNDS else k_ok
-                local = tl.arange(0, BLOCK_L)
-                cand = tl.where(valid, (dist << 13) | ((BLOCK_L - 1 - local) if TIES_HIGH else local), 0x7FFFFFFF)
-                tl.store(CAND + (bh * G + g) * tl.num_programs(0) + pid_l, tl.min(cand, axis=0))
+            if HEAD_TOP > 0:
+                cands = tl.where((heads == g)[None, :] & valid[:, None], ((dist << 13) | at)[:, None], cands)
         else:
             pooled = tl.minimum(pooled, dist)
+    if HEAD_TOP > 0:  # each query head's nearest key of this block (_force_head_top_kernel)
+        tl.store(CAND + (bh * G + heads) * tl.num_programs(0) + pid_l, tl.min(cands, axis=0), mask=heads < G)
     if POOL != 0:
         val = pooled
         if HEAD_TOP > 0:  # 0 is kept for the keys a head forces (_force_head_top_kernel)
@@ -662,7 +668,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         PW2=triton.next_power_of_2(pw), L2=metric == "l2",
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
         POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill, DENSE_ROWS=kw.stride(2) == NW == BLOCK_W,
-        CAND=cand, HEAD_TOP=head_top, TIES_HIGH=bool(head_top) and ties == "high",
+        CAND=cand, HEAD_TOP=head_top, TIES_HIGH=bool(head_top) and ties == "high", GP=triton.next_power_of_2(G),
     )
     if not head_top:
         return out, None
