@@ -594,16 +594,16 @@ def rope_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def pooled_log_probs_reference(logits: torch.Tensor, group: int, scale: float, softcap: float | None = None,
-                               keep: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, Hq, n] (unscaled q·k) -> log of softmax(logits x scale, softcapped, over `keep` [B, 1, n]) per query
-    head, summed over each run of `group` heads: [B, Hq // group, n] fp32 (-inf where no head keeps the key).
-    Contract of `exact_scores.pooled_log_probs`."""
+                               bounds: RowBounds | None = None) -> torch.Tensor:
+    """logits [B, Hq, n] (unscaled q·k) -> log of softmax(logits x scale, softcapped, over each row's region
+    `bounds` (every key when None)) per query head, summed over each run of `group` heads: [B, Hq // group, n] fp32
+    (-inf where no head keeps the key). Contract of `exact_scores.pooled_log_probs`."""
     B, Hq, n = logits.shape
     s = logits.float() * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    if keep is not None:
-        s = s.masked_fill(~keep, float("-inf"))
+    if bounds is not None:
+        s = s.masked_fill(~bounds.mask(n), float("-inf"))
     lp = torch.log_softmax(s, dim=-1).nan_to_num(float("-inf"), neginf=float("-inf"))
     return torch.logsumexp(lp.view(B, Hq // group, group, n), dim=2)
 

@@ -108,13 +108,14 @@ def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None 
 
 
 def pooled_log_probs(logits: torch.Tensor, group: int, scale: float, softcap: float | None = None,
-                     keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Log-softmax of the logits per query head, summed over each group (kernels/exact_scores.py)."""
+                     bounds: ref.RowBounds | None = None) -> torch.Tensor:
+    """Log-softmax of the logits per query head over each row's region, summed over each group
+    (kernels/exact_scores.py)."""
     if use_kernels(logits.device):
         from sparsekv.kernels.exact_scores import pooled_log_probs as kernel
 
-        return kernel(logits, group, scale, softcap, keep)
-    return ref.pooled_log_probs_reference(logits, group, scale, softcap, keep)
+        return kernel(logits, group, scale, softcap, bounds)
+    return ref.pooled_log_probs_reference(logits, group, scale, softcap, bounds)
 
 
 # -- selection --------------------------------------------------------------------------------------------------

@@ -271,18 +271,20 @@ def split_budget(budget: float, sink: int, window: int, length: int, span: int =
     return BudgetSplit(sink, window, b - sink - window, dense=False, **where)
 
 
-def topk_selection(scores: torch.Tensor, split: BudgetSplit, ties: str = "low") -> Selection:
+def topk_selection(scores: torch.Tensor, split: BudgetSplit, ties: str = "low", in_region: bool = False) -> Selection:
     """Top-k of `scores` [B, H, split.hi - split.lo] (higher is better) over the region the sparse part comes from;
-    ties to the lower index, or to the higher (the newer key) with `ties="high"` (code distances: CODE_TIES)."""
+    ties to the lower index, or to the higher (the newer key) with `ties="high"` (code distances: CODE_TIES).
+    `in_region`: the scores are already -inf outside each row's region (no mask to apply)."""
     k = min(split.k, scores.shape[-1])
     if k <= 0:
         return split.selection()
-    return split.selection(indices=topk(split.masked(scores, float("-inf")), k, ties) + split.lo, padded=False)
+    ranked = scores if in_region else split.masked(scores, float("-inf"))
+    return split.selection(indices=topk(ranked, k, ties) + split.lo, padded=False)
 
 
 def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: Pooling | str, indices: torch.Tensor | None = None,
                  scale: float | None = None, softcap: float | None = None,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:
+                 bounds: RowBounds | None = None) -> torch.Tensor:
     """The oracle's ranking: the log of the softmax of the layer's attention logits (q·k x scale, default 1/sqrt(D),
     softcapped when the layer is) per query head, summed over the group with pooling "group" (the log keeps the
     ranking and no key underflows to a tie). q [B, Hq, 1, D]; keys [B, Hkv, L, D]; the keys
@@ -290,11 +292,12 @@ def exact_scores(q: torch.Tensor, keys: torch.Tensor, pooling: Pooling | str, in
     same keys; H = Hq: each query head its own). Returns [B, H, m]: per query head with pooling "head", per KV head
     ("group" sums the group's softmax). On the GPU q·k comes from the sparse-decode kernel
     (`kernels/sparse_decode.py::qk_logits`: each key read once for its group, fp32 sums), elsewhere from its torch
-    reference. `keep` (bool [B, 1, m], BudgetSplit.keep): keys outside it get no probability (-inf). The softmax and
-    the group's sum are `kernels/exact_scores.py::pooled_log_probs` (its reference off the GPU)."""
+    reference. `bounds` (RowBounds, BudgetSplit.bounds; all L keys scored): keys outside each row's region get no
+    probability (-inf). The softmax and the group's sum are `kernels/exact_scores.py::pooled_log_probs` (its
+    reference off the GPU)."""
     group = Pooling.parse(pooling).group_size(q.shape[1], keys.shape[1])
     return ops.pooled_log_probs(ops.qk_logits(q, keys, indices), group,
-                                q.shape[-1] ** -0.5 if scale is None else scale, softcap, keep)
+                                q.shape[-1] ** -0.5 if scale is None else scale, softcap, bounds)
 
 
 def rerank_exact(sel: Selection, q: torch.Tensor, keys: torch.Tensor, k: int, scale: float | None = None,

@@ -300,27 +300,31 @@ def test_gpu_qk_logits_real_shapes():
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_pooled_log_probs_matches_reference(group, softcap):
     """The oracle's two-pass softmax + group sum (in logs) against its reference and against the plain sum of
-    probabilities, with and without a keep mask (a replayed step's region) and on rows that keep nothing."""
+    probabilities, over every key and over each row's own region (a replayed step's RowBounds, read from the device
+    lengths in the kernels), and on rows whose region is empty."""
     from sparsekv.kernels.exact_scores import pooled_log_probs
-    from sparsekv.kernels.reference import pooled_log_probs_reference
+    from sparsekv.kernels.reference import RowBounds, pooled_log_probs_reference
 
     B, Hq, n = 2, 8, 2500
     logits = torch.randn(B, Hq, n, generator=torch.Generator().manual_seed(group)).to(DEV) * 6
-    keep = torch.rand(B, 1, n, generator=torch.Generator().manual_seed(5)).to(DEV) < 0.7
-    for k in (None, keep):
-        got = pooled_log_probs(logits, group, 0.3, softcap, k)
-        ref = pooled_log_probs_reference(logits, group, 0.3, softcap, k)
+    lengths = torch.tensor([2507, 1900], device=DEV)  # the second row's region ends short of the buffer
+    regions = (None, RowBounds(lengths, sink=3, window=40, lo=7), RowBounds(lengths, span=1500, sink=2, lo=7))
+    for bounds in regions:
+        got = pooled_log_probs(logits, group, 0.3, softcap, bounds)
+        ref = pooled_log_probs_reference(logits, group, 0.3, softcap, bounds)
         assert got.shape == (B, Hq // group, n)
         finite = torch.isfinite(ref)
-        assert torch.equal(finite, torch.isfinite(got)) and (k is None or torch.equal(finite, k.expand_as(finite)))
+        keep = torch.ones(B, 1, n, dtype=torch.bool, device=DEV) if bounds is None else bounds.mask(n)
+        assert torch.equal(finite, torch.isfinite(got)) and torch.equal(finite, keep.expand_as(finite))
+        assert bounds is None or not keep.all()
         torch.testing.assert_close(got[finite], ref[finite], atol=1e-4, rtol=1e-4)
         s = logits * 0.3
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        probs = torch.softmax(s if k is None else s.masked_fill(~k, float("-inf")), -1)
+        probs = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
         summed = probs.view(B, Hq // group, group, n).sum(2)
         torch.testing.assert_close(got.exp(), summed, atol=1e-6, rtol=1e-4)
-    nothing = torch.zeros(B, 1, n, dtype=torch.bool, device=DEV)
+    nothing = RowBounds(torch.tensor([20, 25], device=DEV), sink=10, window=15)  # sink and window cover each row
     assert torch.isneginf(pooled_log_probs(logits, group, 0.3, softcap, nothing)).all()
 
 

@@ -24,5 +24,5 @@ class Oracle(Method):
             return split.selection()
         keys = state.keys[:, :, split.lo : split.hi]  # [B, Hkv, n, D]
         p = state.pattern
-        scores = exact_scores(q, keys, self.pooling, scale=p.scaling, softcap=p.softcap, keep=split.keep())
-        return topk_selection(scores, split)
+        scores = exact_scores(q, keys, self.pooling, scale=p.scaling, softcap=p.softcap, bounds=split.bounds())
+        return topk_selection(scores, split, in_region=True)
