@@ -31,9 +31,9 @@ def _partial_kernel(
     Q, K, V, IDX, LENS, M_out, L_out, ACC_out, S_out,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ib, stride_ih,
-    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk, n_cols, span, softcap,
+    scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk, n_cols, span, softcap, host_len,
     MODE: tl.constexpr, PREC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOGITS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    LOGITS: tl.constexpr = False, SOFTCAP: tl.constexpr = False, HOST_LEN: tl.constexpr = False,
 ):
     """One chunk of slots for one selection head: its online-softmax partial state, or with LOGITS the scaled
     q·k of every slot (S_out [B, Hq, n_cols], -inf where a slot names no key) and no values read.
@@ -45,7 +45,10 @@ def _partial_kernel(
     hs = bh % n_sel_heads
     kv = hs // (G // group_rows)  # the KV head of this selection head
     q_head0 = hs * group_rows  # first query row served by this program
-    length = tl.load(LENS + b)
+    if HOST_LEN:  # every row's length, by value (LENS unread)
+        length = host_len
+    else:
+        length = tl.load(LENS + b)
     lo = window_first(length, span)  # first key this row's query may see
 
     g = tl.arange(0, BLOCK_G)
@@ -192,21 +195,23 @@ def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense,
     if check:
         check_positions(decode_positions(B, Hs, lengths, indices, sink, window, span, dense, device=q.device))
     group_rows = G if Hs == Hkv else 1
-    if isinstance(lengths, int):
-        lens = torch.full((B,), lengths, dtype=torch.int32, device=q.device)
+    host_len = isinstance(lengths, int)  # one length for every row, passed by value: no tensor to fill per call
+    if host_len:
+        lens = torch.full((1,), lengths, dtype=torch.int32, device=q.device) if indices is None and not dense \
+            else None  # the sink-and-window step's unread index placeholder needs an integer tensor
         bound = lengths if extent is None else extent
     else:
         lens = lengths.to(device=q.device, dtype=torch.int32).reshape(-1).expand(B)
         bound = keys.shape[2] if extent is None else extent
     if dense:
-        mode, idx, n_sparse, sink, window = MODE_DENSE, lens, 0, 0, 0
+        mode, idx, n_sparse, sink, window = MODE_DENSE, q, 0, 0, 0  # idx: never read
         n_slots = min(bound, span) if span else bound
     else:
         mode = MODE_INDICES
-        idx = indices if indices is not None else lens.new_full((B, Hs, 1), -1)
+        idx = indices if indices is not None else lens  # no sparse part (n_sparse 0): never read
         n_sparse = idx.shape[-1] if indices is not None else 0
         n_slots = sink + n_sparse + window
-        if idx.shape[0] != B:
+        if indices is not None and idx.shape[0] != B:
             idx = idx.expand(B, -1, -1)
     # tuned on an H100 (bf16, d 128, 32/8 heads, 131072 tokens): dense reads best in 128-key tiles with 3 stages,
     # the gathered sparse path in 64-key tiles without pipelining
@@ -228,12 +233,13 @@ def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense,
         qc = qc.contiguous()
     sib, sih = (idx.stride(0), idx.stride(1)) if idx.dim() == 3 else (0, 0)
     _partial_kernel[(n_chunks, B * Hs)](
-        qc, keys, values, idx, lens, m, l, acc, s_out,
+        qc, keys, values, idx, q if lens is None else lens, m, l, acc, s_out,
         qc.stride(0), qc.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), sib, sih,
         scale, Hs, G, group_rows, sink, n_sparse, window, chunk, n_slots, span, float(softcap or 0.0),
-        MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
-        BLOCK_N=BLOCK_N, LOGITS=logits, SOFTCAP=bool(softcap) and not logits, num_warps=num_warps,
+        lengths if host_len else 0, MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
+        BLOCK_N=BLOCK_N, LOGITS=logits, SOFTCAP=bool(softcap) and not logits, HOST_LEN=host_len,
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     if logits:
