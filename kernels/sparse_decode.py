@@ -237,9 +237,9 @@ def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense,
         qc.stride(0), qc.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), sib, sih,
         scale, Hs, G, group_rows, sink, n_sparse, window, chunk, n_slots, span, float(softcap or 0.0),
-        lengths if host_len else 0, MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
-        BLOCK_N=BLOCK_N, LOGITS=logits, SOFTCAP=bool(softcap) and not logits, HOST_LEN=host_len,
-        num_warps=num_warps,
+        lengths if host_len else 0,
+        MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
+        BLOCK_N=BLOCK_N, LOGITS=logits, SOFTCAP=bool(softcap) and not logits, HOST_LEN=host_len, num_warps=num_warps,
         num_stages=num_stages,
     )
     if logits:
