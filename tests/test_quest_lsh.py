@@ -280,6 +280,20 @@ def test_lsh_hyperplanes():
     assert (cfg["nbits"], cfg["seed"], cfg["projection"], cfg["sink"], cfg["window"], cfg["head_top"]) == \
         (128, 0, "rotation", 0, 0, 0)
     assert get_method("lsh", budget=64, head_top=3).config()["head_top"] == 3
+
+
+def test_lsh_hyperplanes_are_drawn_once_per_process():
+    """Every cache of every generation builds its layers' states: the rotations' QR runs once per (seed, layer,
+    shape), and each caller gets its own copy (changing one leaves the next equal to the first)."""
+    from sparsekv.methods.lsh import _hyperplanes
+
+    m = get_method("lsh", budget=16, seed=7)
+    first = m.hyperplanes(5, 2, 64)
+    hits = _hyperplanes.cache_info().hits
+    again = get_method("lsh", budget=16, seed=7).hyperplanes(5, 2, 64)
+    assert _hyperplanes.cache_info().hits == hits + 1 and torch.equal(first, again)
+    first.zero_()
+    assert torch.equal(again, m.hyperplanes(5, 2, 64)) and again.abs().sum() > 0
     assert get_method("lsh", budget=64, head_top=3, pooling="head").config()["head_top"] == 0  # per head anyway
     for opts, msg in [({"nbits": 0}, "nbits"), ({"projection": "qr"}, "unknown projection"),
                       ({"page_size": 16}, "no option"), ({"head_top": -1}, "head_top must be a whole number"),

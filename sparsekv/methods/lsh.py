@@ -31,6 +31,7 @@ one choice per KV head); "head" chooses per query head.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,18 +79,24 @@ class LSH(HashSelect):
 
     def hyperplanes(self, layer: int, kv_heads: int, d: int) -> torch.Tensor:
         """R [kv_heads, d, nbits] in fp32, drawn on the CPU from (seed, layer) so every device gets the same."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
-        if self.projection == "gaussian":
-            return torch.randn(kv_heads, d, self.nbits, generator=g)
-        blocks = -(-self.nbits // d)
-        Q, _ = torch.linalg.qr(torch.randn(kv_heads * blocks, d, d, generator=g, dtype=torch.float64))
-        flip = torch.linalg.det(Q) < 0  # Appendix A.5: into SO(d) by flipping the first column
-        Q[flip, :, 0] *= -1
-        R = Q.view(kv_heads, blocks, d, d).permute(0, 2, 1, 3).reshape(kv_heads, d, blocks * d)
-        return R[..., : self.nbits].float().contiguous()
+        return _hyperplanes(self.seed, layer, kv_heads, d, self.nbits, self.projection).clone()
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
         cfg.update(nbits=self.nbits, seed=self.seed, projection=self.projection)
         return cfg
 
+
+@functools.lru_cache(maxsize=512)
+def _hyperplanes(seed: int, layer: int, kv_heads: int, d: int, nbits: int, projection: str) -> torch.Tensor:
+    """LSH.hyperplanes, made once per process: every cache of every generation builds each layer's state, and the
+    float64 QR of the rotations took ~10-20 ms a layer on the CPU (callers get a copy: this one is shared)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    if projection == "gaussian":
+        return torch.randn(kv_heads, d, nbits, generator=g)
+    blocks = -(-nbits // d)
+    Q, _ = torch.linalg.qr(torch.randn(kv_heads * blocks, d, d, generator=g, dtype=torch.float64))
+    flip = torch.linalg.det(Q) < 0  # Appendix A.5: into SO(d) by flipping the first column
+    Q[flip, :, 0] *= -1
+    R = Q.view(kv_heads, blocks, d, d).permute(0, 2, 1, 3).reshape(kv_heads, d, blocks * d)
+    return R[..., :nbits].float().contiguous()
