@@ -58,15 +58,24 @@ class Prefill:
         return [v[:, :, : self.ids.shape[1]] for v in self.value_buffers]
 
 
+# Triton specialises integer kernel arguments on divisibility by 16, and a replayed step's grids and strides derive
+# from the cache's slots: capacities in one class compile each kernel once, where a generation whose capacity fell in
+# the other class compiled them again in its first step (seconds at 32768 tokens; BENCHMARKS.md)
+SLOT_ALIGN = 16
+
+
 def make_cache(lm: LoadedModel, method: Method, max_len: int, dense_layers=(),
                prefilled: Prefill | None = None) -> SparseCache:
-    """A cache for `method`; with `prefilled` whose buffers hold max_len slots, it decodes in them (no copy)."""
+    """A cache for `method`; with `prefilled` whose buffers hold max_len slots, it decodes in them (no copy).
+    A new cache's slots are rounded up to a multiple of SLOT_ALIGN."""
     rotary = find_rotary(lm.model) if method.needs_pre_rope else None
     method.bind(lm)
     kv = None
     if prefilled is not None and prefilled.key_buffers[0].shape[2] >= max_len:
         kv = list(zip(prefilled.key_buffers, prefilled.value_buffers))
         max_len = prefilled.key_buffers[0].shape[2]
+    else:
+        max_len = -(-max_len // SLOT_ALIGN) * SLOT_ALIGN
     return SparseCache(method, lm.num_layers, lm.q_heads, max_len, dense_layers=dense_layers, rotary=rotary,
                        patterns=lm.patterns, kv=kv)
 

@@ -86,6 +86,24 @@ def test_the_cache_goes_by_the_name_transformers_takes(tiny, prompt_ids):
     assert not [w for w in caught if "past_key_values" in str(w.message)]
 
 
+def test_new_caches_have_a_multiple_of_16_slots(tiny, prompt_ids):
+    """A new cache's capacity is rounded up to SLOT_ALIGN (one divisibility class for the kernels' integer arguments:
+    no recompile when a generation's length moves), and a shared prefill's buffers are decoded in as they are."""
+    import sparsekv.decode as decode
+
+    assert decode.SLOT_ALIGN == 16
+    for want, got in [(8, 16), (16, 16), (220, 224)]:
+        cache = decode.make_cache(tiny, get_method("dense"), want)
+        assert cache.max_len == got
+        cache.release()
+    pf = decode.prefill(tiny, prompt_ids, room=5)
+    n = prompt_ids.shape[1]
+    assert pf.key_buffers[0].shape[2] == -(-(n + 5) // 16) * 16 and pf.room >= 5
+    cache = decode.make_cache(tiny, get_method("oracle", budget=16), n + 5, prefilled=pf)
+    assert cache.max_len == pf.key_buffers[0].shape[2]
+    cache.release()
+
+
 def test_a_shared_prefill_is_decoded_in_place(tiny, prompt_ids, monkeypatch):
     """A prefill with room for the generation lends its K/V buffers to every method's cache (no copy of the
     prompt's K/V), and each method decodes exactly as from its own prefill: the previous method's tokens past the
