@@ -280,6 +280,12 @@ def test_lsh_hyperplanes():
     assert (cfg["nbits"], cfg["seed"], cfg["projection"], cfg["sink"], cfg["window"], cfg["head_top"]) == \
         (128, 0, "rotation", 0, 0, 0)
     assert get_method("lsh", budget=64, head_top=3).config()["head_top"] == 3
+    assert get_method("lsh", budget=64, head_top=3, pooling="head").config()["head_top"] == 0  # per head anyway
+    for opts, msg in [({"nbits": 0}, "nbits"), ({"projection": "qr"}, "unknown projection"),
+                      ({"page_size": 16}, "no option"), ({"head_top": -1}, "head_top must be a whole number"),
+                      ({"head_top": True}, "head_top must be")]:
+        with pytest.raises(SparseKVError, match=msg):
+            get_method("lsh", budget=16, **opts)
 
 
 def test_lsh_hyperplanes_are_drawn_once_per_process():
@@ -294,12 +300,6 @@ def test_lsh_hyperplanes_are_drawn_once_per_process():
     assert _hyperplanes.cache_info().hits == hits + 1 and torch.equal(first, again)
     first.zero_()
     assert torch.equal(again, m.hyperplanes(5, 2, 64)) and again.abs().sum() > 0
-    assert get_method("lsh", budget=64, head_top=3, pooling="head").config()["head_top"] == 0  # per head anyway
-    for opts, msg in [({"nbits": 0}, "nbits"), ({"projection": "qr"}, "unknown projection"),
-                      ({"page_size": 16}, "no option"), ({"head_top": -1}, "head_top must be a whole number"),
-                      ({"head_top": True}, "head_top must be")]:
-        with pytest.raises(SparseKVError, match=msg):
-            get_method("lsh", budget=16, **opts)
 
 
 @pytest.mark.parametrize("nbits,pooling,head_top", [(128, "group", 0), (40, "head", 0), (128, "head", 0),

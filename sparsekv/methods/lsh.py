@@ -90,7 +90,7 @@ class LSH(HashSelect):
 @functools.lru_cache(maxsize=512)
 def _hyperplanes(seed: int, layer: int, kv_heads: int, d: int, nbits: int, projection: str) -> torch.Tensor:
     """LSH.hyperplanes, made once per process: every cache of every generation builds each layer's state, and the
-    float64 QR of the rotations took ~10-20 ms a layer on the CPU (callers get a copy: this one is shared)."""
+    float64 QR of the rotations takes tens of ms a layer on the CPU (callers get a copy: this one is shared)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + layer)
     if projection == "gaussian":
         return torch.randn(kv_heads, d, nbits, generator=g)
