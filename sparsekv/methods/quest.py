@@ -49,6 +49,8 @@ from ..pooling import Pooling
 from ..selection import BudgetSplit, Selection
 from .base import CacheShape, LayerState, Method, register
 
+PAGE_ALIGN = 16  # the bounds buffer's pages come in multiples of this (`new_state`)
+
 
 @dataclass
 class QuestState(LayerState):
@@ -79,7 +81,9 @@ class Quest(Method):
             raise SparseKVError(f"quest: page_size must be >= 1, got {page_size}")
 
     def new_state(self, layer: int, shape: CacheShape) -> QuestState:
-        pages = -(-shape.max_len // self.page_size)
+        # pages rounded up to a multiple of 16: a graph-replayed step scores them all (`select`), so the kernels'
+        # page counts and strides keep one divisibility class, which Triton specialises on, whatever the capacity
+        pages = -(-shape.max_len // (self.page_size * PAGE_ALIGN)) * PAGE_ALIGN
         bounds = torch.zeros(shape.batch, shape.kv_heads, pages, 2 * shape.head_dim, dtype=shape.dtype,
                              device=shape.device)
         return QuestState(bounds=bounds)
@@ -120,6 +124,8 @@ class Quest(Method):
             return state.selection(sink=sink, window=b - sink)
         split = BudgetSplit(sink, window, k, False, n, state.pattern.span, state.lengths, state.extent)
         p_lo, p_hi = split.lo // S, -(-split.hi // S)  # pages overlapping [lo, hi): the kernel clips them to it
+        if split.extent is not None:  # replayed: every page of the buffer (those past a row's length score -inf)
+            p_hi = state.bounds.shape[2]
         lengths = split.lengths.view(-1) if split.lengths is not None else torch.full((1,), n, device=q.device)
         rows = RowBounds(lengths, split.span, split.sink, split.window)
         region = PageRegion(rows, S, p_lo, skip_last=self.auto_window)  # the newest page: attended anyway
