@@ -428,7 +428,8 @@ def _block_keys(CAND, i, n_blocks, BLOCK_L: tl.constexpr, TIES_HIGH: tl.constexp
     return tl.where(v != 0x7FFFFFFF, key, 1 << 62)
 
 
-@triton.jit
+# sizes that move with a row's length: not specialised (kernels/topk/fused.py, PLAN_SCALARS)
+@triton.jit(do_not_specialize=["n_blocks", "ks", "below", "STRIDE"])
 def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                            stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_db, stride_dh,
                            LENS, span, sink, window, lo,

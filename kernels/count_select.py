@@ -214,20 +214,21 @@ def _emit_tiles(Dr, Or, N, thr, need, skip, lt_run, eq_run, offset, p, VMAX: tl.
         eq_run += tl.sum(e, 0)
 
 
-@triton.jit
+# the sample plan and the chunk count move with a row's length: not specialised (kernels/topk/fused.py, PLAN_SCALARS)
+@triton.jit(do_not_specialize=["ks", "below", "STRIDE"])
 def _base_kernel(D, GH, STATE, N, ks, below, stride_d, STRIDE, S: tl.constexpr, SHIFT: tl.constexpr,
                  VMAX: tl.constexpr, NB2: tl.constexpr, FORCE_MISS: tl.constexpr):
     _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, tl.program_id(0), S, SHIFT, VMAX, NB2, FORCE_MISS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _window_kernel(D, PH, GH, STATE, N, stride_d, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
     q = tl.program_id(0)
     r = q // P
     _window(D, PH, GH, STATE, N, stride_d, r, q - r * P, P, VMAX, CHUNK, TILE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _emit_kernel(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, P, high, SHIFT: tl.constexpr,
                  VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
     q = tl.program_id(0)

@@ -164,13 +164,13 @@ def test_graph_step_equals_transformers_step_on_gpu(method, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("method", [m for m in GPU_METHODS if m[0] != "oracle"]
-                         + [("adamas", {"budget": 24}), ("streaming", {"budget": 16})], ids=lambda m: m[0])
+@pytest.mark.parametrize("method", GPU_METHODS + [("adamas", {"budget": 24}), ("streaming", {"budget": 16}),
+                                    ("lsh", {"budget": 24, "pooling": "group", "head_top": 2})],
+                         ids=lambda m: m[0] + ("_head_top" if m[1].get("head_top") else ""))
 def test_a_longer_generation_compiles_nothing_new_on_gpu(method, monkeypatch):
     """Triton specialises integer arguments on divisibility by 16: a generation whose capacity falls in another
-    class than the last one's (19 Quest pages, then 32) must reuse every compiled kernel, or its first step pays
-    the compiles (~0.5 s at 32768 tokens). The oracle is left out: its exact top-k cuts a row into chunks by the
-    row's length (kernels/topk/plan.py), so it compiles once more per class of that plan."""
+    class than the last one's (19 Quest pages, then 32; the oracle's top-k in 38 chunks, then 64) must reuse every
+    compiled kernel, or its first step pays the compiles (~0.5 s at 32768 tokens)."""
     import triton
 
     from sparsekv.models import tiny_random

@@ -49,6 +49,10 @@ import triton.language as tl
 from .launch import DTYPE_KEY_BITS, DTYPE_NAN_EXP, cached_scratch, scatter_offsets
 from .plan import CAP_MAX, Plan, loop_rule, next_pow2
 
+# Sizes of the plan that move with a row's length. Triton would specialise them on divisibility by 16 (no load
+# depends on it here), so a cache of another capacity would compile the kernel again.
+PLAN_SCALARS = ["P", "STRIDE", "J", "J_HI", "J2", "J2_HI"]
+
 _I32_MIN = -2147483648
 
 
@@ -458,7 +462,7 @@ def _compact(CKs, CIs, b, idx, low, N, run, KEY_BITS: tl.constexpr, NAN16: tl.co
     return run + tl.sum(c, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PLAN_SCALARS)
 def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, N, k, stride_x, stride_o, P, STRIDE, J, J_HI, J2,
                  J2_HI, KEY_BITS: tl.constexpr, NAN16: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
                  S: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, HAS_BOUND: tl.constexpr,
