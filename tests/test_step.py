@@ -168,9 +168,9 @@ def test_graph_step_equals_transformers_step_on_gpu(method, monkeypatch):
                                     ("lsh", {"budget": 24, "pooling": "group", "head_top": 2})],
                          ids=lambda m: m[0] + ("_head_top" if m[1].get("head_top") else ""))
 def test_a_longer_generation_compiles_nothing_new_on_gpu(method, monkeypatch):
-    """Triton specialises integer arguments on divisibility by 16: a generation whose capacity falls in another
-    class than the last one's (19 Quest pages, then 32; the oracle's top-k in 38 chunks, then 64) must reuse every
-    compiled kernel, or its first step pays the compiles (~0.5 s at 32768 tokens)."""
+    """Triton specialises integer arguments on divisibility by 16: a generation whose capacity puts a kernel's
+    sizes in another class than the last one's (capacity 304, then 512: Quest's pages were 19, then 32) must reuse
+    every compiled kernel, or its first step pays the compiles (~0.5 s at 32768 tokens)."""
     import triton
 
     from sparsekv.models import tiny_random
