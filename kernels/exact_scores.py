@@ -26,17 +26,22 @@ _NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps exp(x - m) finite fo
 
 
 @triton.jit
-def _logit(S, LENS, b, row, j, ok, stride_sb, stride_sh, scale, softcap, span, sink, window, lo,
-           SOFTCAP: tl.constexpr, BOUNDS: tl.constexpr):
+def _kept(length, j, ok, span, sink, window, lo, BOUNDS: tl.constexpr):
+    """Which of keys j (< n: ok) lie in the row's own region, from its device length (RowBounds); every one without
+    bounds. The same for every query head of the row: computed once a tile."""
+    if BOUNDS:
+        ok = ok & in_sparse_region(length, lo + j, span, sink, window)
+    return ok
+
+
+@triton.jit
+def _logit(S, b, row, j, ok, keep, stride_sb, stride_sh, scale, softcap, SOFTCAP: tl.constexpr):
     s = tl.load(S + b * stride_sb + row * stride_sh + j, mask=ok, other=0.0) * scale
     if SOFTCAP:  # tanh from one exp, stable for any |s|
         x = s / softcap
         e = tl.exp(-2.0 * tl.abs(x))
         th = (1.0 - e) / (1.0 + e)
         s = softcap * tl.where(x < 0, -th, th)
-    keep = ok
-    if BOUNDS:  # the row's own region, from its device length (RowBounds)
-        keep = keep & in_sparse_region(tl.load(LENS + b).to(tl.int32), lo + j, span, sink, window)
     return tl.where(keep, s, float("-inf"))
 
 
@@ -48,12 +53,14 @@ def _stats_kernel(S, LENS, M, L, n, Hq, chunk, stride_sb, stride_sh, scale, soft
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
+    length = tl.load(LENS + b).to(tl.int32) if BOUNDS else 0
     m = tl.full([BLOCK], _NEG, tl.float32)
     acc = tl.zeros([BLOCK], tl.float32)
     for j0 in range(c * chunk, tl.minimum(c * chunk + chunk, n), BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        s = _logit(S, LENS, b, h, j, j < n, stride_sb, stride_sh, scale, softcap, span, sink, window, lo, SOFTCAP,
-                   BOUNDS)
+        ok = j < n
+        keep = _kept(length, j, ok, span, sink, window, lo, BOUNDS)
+        s = _logit(S, b, h, j, ok, keep, stride_sb, stride_sh, scale, softcap, SOFTCAP)
         m_new = tl.maximum(m, s)
         acc = acc * tl.exp(m - m_new) + tl.exp(s - m_new)
         m = m_new
@@ -88,12 +95,12 @@ def _pool_kernel(S, LENS, M, L, OUT, n, H_out, n_chunks, stride_sb, stride_sh, s
     kv = bh % H_out
     j = pid * BLOCK + tl.arange(0, BLOCK)
     ok = j < n
+    keep = _kept(tl.load(LENS + b).to(tl.int32) if BOUNDS else 0, j, ok, span, sink, window, lo, BOUNDS)
     m = tl.full([BLOCK], _NEG, tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
     for g in tl.static_range(G):
         row = kv * G + g
-        s = _logit(S, LENS, b, row, j, ok, stride_sb, stride_sh, scale, softcap, span, sink, window, lo, SOFTCAP,
-                   BOUNDS)
+        s = _logit(S, b, row, j, ok, keep, stride_sb, stride_sh, scale, softcap, SOFTCAP)
         s = s - _lse(M, L, b * (H_out * G) + row, n_chunks, BLOCK_C)
         m_new = tl.maximum(m, s)
         total = total * tl.exp(m - m_new) + tl.exp(s - m_new)
