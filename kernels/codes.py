@@ -32,6 +32,9 @@ the query heads of a group loop over the key tile loaded once (GQA: each KV head
 (bits, metric) unpack the key tile once into codes [keys, words, PW2] and take |d| or d² code by code (the ablations:
 correct, not tuned), except 1-bit codes: their L1 (= L2) distance is the Hamming distance, a POPC of each lane's xor
 on CUDA (a SWAR popcount into per-byte counts in the interpreter; the SimHash codes of the `lsh` method, 128 bits).
+1-bit codes also take ternary queries: q_words of 2W words, the sign words then the care words (hash_mlp.py,
+`margin`); each xor is ANDed with the care lanes before its count, so a bit the query does not care for counts for no
+key (the GQA group's heads each with their own).
 
 H100 (CUDA-graph replay; 131072 keys x 8 KV heads x 16 words, D 128: 33.5 MB read, ~11 µs at 3 TB/s; 4 query
 heads per KV head). The SWAR path is compute-bound (~470 integer ops per key against Hopper's 64 INT32
@@ -310,16 +313,20 @@ def _bytes_to_int(acc):
 
 
 @triton.jit
-def _hamming(k, q, LANE_BITS: tl.constexpr, POPC: tl.constexpr, BYTE_SUM: tl.constexpr):
+def _hamming(k, q, m, LANE_BITS: tl.constexpr, POPC: tl.constexpr, BYTE_SUM: tl.constexpr, CARE: tl.constexpr):
     """Hamming distances [BL] of key lanes k [BL, BW] (int32, 16-bit lanes masked to their bits) to query lanes q
-    [BW]: a POPC per lane's xor on CUDA, a SWAR popcount into per-byte counts in the interpreter."""
+    [BW]: a POPC per lane's xor on CUDA, a SWAR popcount into per-byte counts in the interpreter. CARE: only the
+    bits set in the query's care lanes m [BW] count (a ternary query)."""
     q = q.to(tl.int32)
     if LANE_BITS == 16:
         q = q & 0xFFFF
+    x = k ^ q[None, :]
+    if CARE:
+        x = x & m.to(tl.int32)[None, :]  # a 16-bit lane's care word sign-extends: k ^ q has no bit above 16
     if POPC:
-        dist = tl.sum(_popc(k ^ q[None, :]), axis=1)
+        dist = tl.sum(_popc(x), axis=1)
     else:
-        part = _popcount_bytes(k ^ q[None, :])
+        part = _popcount_bytes(x)
         if BYTE_SUM:  # bytes summed over the row stay <= 255: reduce them once per key
             dist = _bytes_to_int(tl.sum(part, axis=1))
         else:
@@ -374,10 +381,11 @@ def _key_prep(k, FAST: tl.constexpr, HAMMING: tl.constexpr, LANE_BITS: tl.conste
 
 
 @triton.jit
-def _distance_to(a, b, c, d, q, FAST: tl.constexpr, HAMMING: tl.constexpr, LANE_BITS: tl.constexpr,
+def _distance_to(a, b, c, d, q, m, FAST: tl.constexpr, HAMMING: tl.constexpr, LANE_BITS: tl.constexpr,
                  POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
-                 PW2: tl.constexpr, L2: tl.constexpr):
-    """Distances [BL] of the keys _key_prep made (a, b, c, d) to one query's words q [BW] as loaded."""
+                 PW2: tl.constexpr, L2: tl.constexpr, CARE: tl.constexpr = False):
+    """Distances [BL] of the keys _key_prep made (a, b, c, d) to one query's words q [BW] as loaded (and, CARE:
+    1-bit codes, its care words m [BW])."""
     if LANE_BITS == 64:
         dist = _l1_2bit_pairs(a, b, c, d, q)
     elif FAST:
@@ -394,7 +402,7 @@ def _distance_to(a, b, c, d, q, FAST: tl.constexpr, HAMMING: tl.constexpr, LANE_
             else:
                 dist = tl.sum(_bytes_to_int(part), axis=1)
     elif HAMMING:
-        dist = _hamming(a, q, LANE_BITS, POPC, BYTE_SUM)
+        dist = _hamming(a, q, m, LANE_BITS, POPC, BYTE_SUM, CARE)
     else:
         dist = _dist_generic(a, q.to(tl.int32) & 0xFFFF, BITS, PW, PW2, L2)
     return dist
@@ -439,7 +447,7 @@ def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                            BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr,
                            BOUNDS: tl.constexpr, FAST: tl.constexpr = False, BASE: tl.constexpr = False,
                            S: tl.constexpr = 1, SHIFT: tl.constexpr = 0, VMAX: tl.constexpr = 1,
-                           NB2: tl.constexpr = 32, FORCE_MISS: tl.constexpr = False):
+                           NB2: tl.constexpr = 32, FORCE_MISS: tl.constexpr = False, CARE: tl.constexpr = False):
     """Programs [0, B * Hq) force each query head's nearest keys (_force_head_top); the last `base_rows` run the
     counting select's first step for their row (BASE; count_select._window_base, its arguments D .. STRIDE and the
     constexprs from S on): the two are independent, so one launch holds both and the select has one launch fewer.
@@ -450,7 +458,7 @@ def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
     if row < n_force:
         _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv, stride_qb, stride_qh, stride_kb, stride_kh,
                         stride_kn, stride_db, stride_dh, LENS, span, sink, window, lo, row, G, M, NW, LANE_BITS,
-                        POPC, BYTE_SUM, BLOCK_L, BLOCK_W, BLOCK_C, M_P2, TIES_HIGH, BOUNDS, FAST)
+                        POPC, BYTE_SUM, BLOCK_L, BLOCK_W, BLOCK_C, M_P2, TIES_HIGH, BOUNDS, FAST, CARE)
     elif BASE:
         count_select._window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, row - n_force, S, SHIFT, VMAX, NB2,
                                   FORCE_MISS)
@@ -463,13 +471,13 @@ def _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                     G: tl.constexpr, M: tl.constexpr, NW: tl.constexpr, LANE_BITS: tl.constexpr,
                     POPC: tl.constexpr, BYTE_SUM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr,
                     BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr, BOUNDS: tl.constexpr,
-                    FAST: tl.constexpr):
+                    FAST: tl.constexpr, CARE: tl.constexpr):
     """Program `row` (b * Hq + query head) sets the pooled distance of the head's M nearest keys to 0, below
     every other key's (the distance kernel added 1 to those). Those keys lie in the M blocks whose nearest keys are
     the M best of the blocks' (M keys of those blocks beat any key of another), so the program takes these blocks
     from the candidates (M passes, each the smallest above the last), reads their codes again for its query (M x
-    BLOCK_L keys) and takes their M best. The heads of a group write the same zeros. Codes: 1-bit (Hamming) or, with
-    FAST, 2-bit (L1)."""
+    BLOCK_L keys) and takes their M best. The heads of a group write the same zeros. Codes: 1-bit (Hamming; CARE:
+    ternary queries) or, with FAST, 2-bit (L1)."""
     b = row // (Hkv * G)
     h = row % (Hkv * G)
     kv = h // G
@@ -497,7 +505,8 @@ def _force_head_top(CAND, QW, KW, DIST, n_blocks, length, Hkv,
     # 1-bit or 2-bit L1 codes only (_forces): the other codes' BITS, PW, PW2, L2 below are never read
     k_a, k_b, k_c, k_d = _key_prep(k, FAST, not FAST, LANE_BITS, POPC, 1, 16, 16)
     q = tl.load(QW + b * stride_qb + h * stride_qh + w, mask=w_ok, other=0)
-    dist = _distance_to(k_a, k_b, k_c, k_d, q, FAST, not FAST, LANE_BITS, POPC, BYTE_SUM, 1, 16, 16, False)
+    m = tl.load(QW + b * stride_qb + h * stride_qh + NW + w, mask=w_ok, other=0) if CARE else q
+    dist = _distance_to(k_a, k_b, k_c, k_d, q, m, FAST, not FAST, LANE_BITS, POPC, BYTE_SUM, 1, 16, 16, False, CARE)
     key = tl.where(ok, _order_keys(dist, keys, TIES_HIGH), 1 << 62)
     last = tl.full([], -1, tl.int64)
     for j in tl.static_range(M):  # the M best keys of those blocks
@@ -517,7 +526,7 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr,
                           BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0, DENSE_ROWS: tl.constexpr = False,
                           CAND=None, HEAD_TOP: tl.constexpr = 0, TIES_HIGH: tl.constexpr = False,
-                          GP: tl.constexpr = 1):
+                          GP: tl.constexpr = 1, CARE: tl.constexpr = False):
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -548,7 +557,9 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
         cands = tl.full([BLOCK_L, GP], 0x7FFFFFFF, tl.int32)
     for g in tl.static_range(G):
         q = tl.load(q_base + g * stride_qh + w, mask=w_ok, other=0)
-        dist = _distance_to(k_a, k_b, k_c, k_d, q, FAST, HAMMING, LANE_BITS, POPC, BYTE_SUM, BITS, PW, PW2, L2)
+        m = tl.load(q_base + g * stride_qh + NW + w, mask=w_ok, other=0) if CARE else q  # care lanes after the signs
+        dist = _distance_to(k_a, k_b, k_c, k_d, q, m, FAST, HAMMING, LANE_BITS, POPC, BYTE_SUM, BITS, PW, PW2, L2,
+                            CARE)
         if POOL == 0:
             val = dist
             if NEGATE:
@@ -619,8 +630,12 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     if q_words.dim() == 4 and q_words.shape[2] == 1:
         q_words = q_words[:, :, 0]
     B, Hq, Wq = q_words.shape
-    if k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W or Wq != W:
-        raise ValueError(f"expected q_words [B, Hq, {W}] and k_words [B, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
+    care = bits == 1 and Wq == 2 * W  # ternary queries: sign words, then care words
+    if Wq == 2 * W and not care:
+        raise ValueError(f"ternary query words (sign and care words, {Wq}) need 1-bit codes, not bits={bits}")
+    if k_words.dim() != 4 or k_words.shape[0] != B or k_words.shape[3] != W or (Wq != W and not care):
+        q_shape = f"[B, Hq, {W}]" + (f" (or {2 * W}: ternary)" if bits == 1 else "")
+        raise ValueError(f"expected q_words {q_shape} and k_words [B, Hkv, Lmax, {W}] for d={d}, bits={bits}; "
                          f"got {tuple(q_words.shape)} and {tuple(k_words.shape)}")
     Hkv = _kv_heads(Hq, k_words, length)
     G = Hq // Hkv
@@ -642,7 +657,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         if q_l is not None and k_l is not None:
             qw, kw = q_l, k_l
             break
-    NW = qw.shape[-1]
+    NW = kw.shape[-1]  # a ternary query's care lanes follow its NW sign lanes
     BLOCK_W = triton.next_power_of_2(NW)
     if fast or hamming:  # [BLOCK_L, BLOCK_W] lanes live in registers across the group loop
         BLOCK_L = block_l or (256 if G <= 4 else 128)
@@ -670,6 +685,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
         POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill, DENSE_ROWS=kw.stride(2) == NW == BLOCK_W,
         CAND=cand, HEAD_TOP=head_top, TIES_HIGH=bool(head_top) and ties == "high", GP=triton.next_power_of_2(G),
+        CARE=care,
     )
     if not head_top:
         return out, None
@@ -686,7 +702,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
             G=G, M=head_top, NW=NW, LANE_BITS=qw.element_size() * 8, POPC=popc > 0, BYTE_SUM=byte_sum,
             BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, BLOCK_C=min(triton.next_power_of_2(grid[0]), 2048),
             M_P2=triton.next_power_of_2(head_top), TIES_HIGH=ties == "high", BOUNDS=bounds is not None, FAST=fast,
-            **b_consts,
+            CARE=care, **b_consts,
             num_warps=8)  # reductions one after another: code_topk at M 4 took 27.3 µs with 8 warps, 29.0 with 4
             # (H200, 8 x 131072 keys, group of 4)
 
@@ -700,7 +716,8 @@ def code_distance(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: 
     first `length` rows of k_words [B, Hkv, Lmax, W]; query head h reads KV head h // (Hq // Hkv).
 
     pool="sum" / "min" reduces over each KV head's query group in the kernel -> [B, Hkv, length].
-    Same contract as code_distance_reference. A sliced k_words (e.g. k_words[:, :, sink:]) is fine.
+    Same contract as code_distance_reference. A sliced k_words (e.g. k_words[:, :, sink:]) is fine. bits=1: q_words
+    may be ternary, [B, Hq, 2W] (sign words, then care words: only the cared-for bits count).
     """
     return _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int32, False, block_l,
                             num_warps)[0]

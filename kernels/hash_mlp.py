@@ -18,6 +18,8 @@ mlp_hash_pack(_into)  one fused pass per (KV head, block of rows): a program loa
                       program and chunk of bits, the chunks on programs of their own.
                       `append`: a decode step's new keys join the queries' launch as extra rows of each KV
                       head's programs (same weights), stored into the code buffer at each row's device slot.
+                      `margin` (ternary queries): a row's bits in one chunk, its root mean square over them, and
+                      its care bits |acc| > margin · rms packed into the W words after its signs (not the keys').
 
 Weights (per KV head, row-vector form y = SiLU(x @ w1 + b1) @ w2, i.e. W1 = w1ᵀ, W2 = w2ᵀ of the paper):
 w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits], any strides. Each dot's operands take its weight's dtype: fp32
@@ -46,14 +48,14 @@ import triton
 import triton.language as tl
 
 from .device import num_sms
-from .reference import PendingHash, _mlp_hash_shapes, check_pending
+from .reference import PendingHash, _mlp_hash_shapes, check_margin, check_pending
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 
 @triton.jit
-def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
+def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start, margin,
                      stride_xb, stride_xh, stride_xn, stride_xd,
                      stride_1h, stride_1d, stride_1m, stride_bh, stride_bm, stride_2h, stride_2m, stride_2k,
                      stride_ob, stride_oh, stride_on,
@@ -62,7 +64,7 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
                      PREC1: tl.constexpr, PREC2: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROW_START: tl.constexpr, LINEAR: tl.constexpr, SPLIT: tl.constexpr,
-                     WITH_KEYS: tl.constexpr = False):
+                     WITH_KEYS: tl.constexpr = False, CARE: tl.constexpr = False):
     pid_m = tl.program_id(0)
     kv = tl.program_id(1)
     # rows flattened (b, g, i): batch row b, query head kv·G + g, position i; a KV head's rows of every batch row
@@ -81,6 +83,7 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
     x = tl.load(X + b[:, None] * stride_xb + h[:, None] * stride_xh + i[:, None] * stride_xn
                 + dd[None, :] * stride_xd, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(W1.dtype.element_ty)
     o_row = OUT + b * stride_ob + h * stride_oh + (start + i) * stride_on  # [BLOCK_M] pointers
+    q_ok = r_ok  # the rows of x: with CARE their care words follow their W sign words
     if WITH_KEYS:  # rows n_x + b: a decode step's new key of batch row b, into the code buffer at its device slot
         is_k = (r >= n_x) & (r < n_x + B)
         kb = tl.where(is_k, r - n_x, 0).to(tl.int64)
@@ -100,7 +103,7 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
         w1 = tl.load(w1_base + dd[:, None] * stride_1d + cols[None, :] * stride_1m,
                      mask=d_ok[:, None] & c_ok[None, :], other=0.0)  # padded bits: acc 0, bit 0
         acc = tl.dot(x, w1, input_precision=PREC1)
-        _pack_store(acc, o_row, r_ok, nc, BLOCK_M, BLOCK_N, W)
+        _pack_store(acc, o_row, r_ok, q_ok, margin, nc, BLOCK_M, BLOCK_N, W, NBITS, CARE)
     elif SPLIT:  # program_id(2) is this program's chunk of BLOCK_K hidden units; every bit in one chunk
         cols = tl.arange(0, BLOCK_N)
         mc = tl.program_id(2)
@@ -119,7 +122,7 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for c in tl.static_range(MC):
                 total += tl.load(SCR + tile + c * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
-            _pack_store(total, o_row, r_ok, 0, BLOCK_M, BLOCK_N, W)
+            _pack_store(total, o_row, r_ok, q_ok, margin, 0, BLOCK_M, BLOCK_N, W, NBITS, CARE)
             tl.atomic_xchg(CNT + blk, 0, sem="relaxed")  # ready for the next call (a graph replays it)
     else:
         nc = tl.program_id(2)  # this program's chunk of BLOCK_N output bits
@@ -129,7 +132,7 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start,
         for m0 in range(0, M, BLOCK_K):
             acc += _mlp_part(x, w1_base, b1_base, w2_base, m0, dd, d_ok, cols, c_ok, M, stride_1d, stride_1m,
                              stride_bm, stride_2m, stride_2k, W2.dtype.element_ty, PREC1, PREC2, BLOCK_K)
-        _pack_store(acc, o_row, r_ok, nc, BLOCK_M, BLOCK_N, W)
+        _pack_store(acc, o_row, r_ok, q_ok, margin, nc, BLOCK_M, BLOCK_N, W, NBITS, CARE)
 
 
 @triton.jit
@@ -150,14 +153,27 @@ def _mlp_part(x, w1_base, b1_base, w2_base, m0, dd, d_ok, cols, c_ok, M, stride_
 
 
 @triton.jit
-def _pack_store(acc, o_row, r_ok, nc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr):
-    """The bits 1[acc > 0] of chunk nc (BLOCK_N bits), packed 16 a word, stored at the rows' pointers o_row."""
-    slot = tl.arange(0, 16)
-    bits = tl.reshape((acc > 0).to(tl.int32), [BLOCK_M, BLOCK_N // 16, 16])  # column w·16 + j: word w, bit j
-    word = tl.sum(bits << slot[None, None, :], axis=2)  # disjoint bits: sum == or
-    word = tl.where(word >= 32768, word - 65536, word)  # the int16 with the same bits
+def _pack_store(acc, o_row, r_ok, q_ok, margin, nc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
+                NBITS: tl.constexpr, CARE: tl.constexpr):
+    """The bits 1[acc > 0] of chunk nc (BLOCK_N bits), packed 16 a word, stored at the rows' pointers o_row; with
+    CARE (the chunk is the whole row) the query rows q_ok also store their care bits |acc| > margin · rms(acc) in
+    the W words after."""
     w = nc * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
-    tl.store(o_row[:, None] + w[None, :], word.to(tl.int16), mask=r_ok[:, None] & (w < W)[None, :])
+    tl.store(o_row[:, None] + w[None, :], _pack_bits(acc > 0, BLOCK_M, BLOCK_N), mask=r_ok[:, None] & (w < W)[None, :])
+    if CARE:  # padded columns hold 0: they add nothing to the sum and are never cared for
+        rms = tl.sqrt(tl.sum(acc * acc, axis=1) / NBITS)
+        care = tl.abs(acc) > (margin * rms)[:, None]
+        tl.store(o_row[:, None] + W + w[None, :], _pack_bits(care, BLOCK_M, BLOCK_N),
+                 mask=q_ok[:, None] & (w < W)[None, :])
+
+
+@triton.jit
+def _pack_bits(flags, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """bool [BLOCK_M, BLOCK_N] -> int16 words [BLOCK_M, BLOCK_N / 16], flag j at bit j % 16 of word j // 16."""
+    slot = tl.arange(0, 16)
+    bits = tl.reshape(flags.to(tl.int32), [BLOCK_M, BLOCK_N // 16, 16])  # column w·16 + j: word w, bit j
+    word = tl.sum(bits << slot[None, None, :], axis=2)  # disjoint bits: sum == or
+    return tl.where(word >= 32768, word - 65536, word).to(tl.int16)  # the int16 with the same bits
 
 
 def _check(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -185,11 +201,13 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
                        out_words: torch.Tensor, start: int | torch.Tensor, *, precision: str = "ieee",
                        block_m: int | None = None, block_k: int | None = None, block_n: int | None = None,
                        num_warps: int | None = None, split: bool | None = None,
-                       append: PendingHash | None = None) -> None:
+                       append: PendingHash | None = None, margin: float | None = None) -> None:
     """The hash codes of x [B, H, n, D] written into out_words[:, :, start:start + n] in place.
 
     out_words: int16 [B, H, Lmax, ceil(nbits / 16)] with contiguous words (the cache state; other slots are not
-    touched). start: an int, or a device integer tensor [B] of each batch row's first slot (a decode step: rows
+    touched); with `margin`, [B, H, Lmax, 2 ceil(nbits / 16)]: ternary codes, each row's sign words then its care
+    words, 1 where |y| > margin · rms(y) over the row's bits (reference.query_care_reference; the appended keys'
+    codes stay binary). A row's bits are then taken in one chunk (block_n >= nbits) for its root mean square. start: an int, or a device integer tensor [B] of each batch row's first slot (a decode step: rows
     [start[b], start[b] + n); not range-checked: no host read). w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]:
     fp32 or 16-bit, any strides; H a multiple of Hkv (head h uses KV head h // (H // Hkv)'s weights). b1 and w2
     None: the linear hash sign(x @ w1), w1 [Hkv, D, nbits] (LSH's hyperplanes).
@@ -205,11 +223,13 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     Hkv, M, nbits = _check(x, w1, b1, w2)
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    check_margin(margin)
     B, H, n, D = x.shape
     W = triton.cdiv(nbits, 16)
+    WO = 2 * W if margin is not None else W
     if (out_words.dtype != torch.int16 or out_words.dim() != 4 or tuple(out_words.shape[:2]) != (B, H)
-            or out_words.shape[3] != W or out_words.stride(-1) != 1 or out_words.device != x.device):
-        raise ValueError(f"out_words must be int16 [{B}, {H}, Lmax, {W}] on {x.device} with contiguous words, "
+            or out_words.shape[3] != WO or out_words.stride(-1) != 1 or out_words.device != x.device):
+        raise ValueError(f"out_words must be int16 [{B}, {H}, Lmax, {WO}] on {x.device} with contiguous words, "
                          f"got {out_words.dtype} {tuple(out_words.shape)} on {out_words.device}")
     row_start = isinstance(start, torch.Tensor)
     if row_start and (start.shape != (B,) or start.device != x.device or start.is_floating_point()
@@ -234,6 +254,10 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     # over more programs; an MLP's chunks would each recompute the hidden layer, so a few rows split its hidden
     # units over programs instead (`split`)
     BLOCK_N = block_n or max(16, min(16 if linear else 128, triton.next_power_of_2(nbits)))
+    if margin is not None:  # the care bits need the row's root mean square over all its bits
+        if block_n and block_n < nbits:
+            raise ValueError(f"margin needs every bit in one chunk: block_n >= {nbits}, got {block_n}")
+        BLOCK_N = max(BLOCK_N, triton.next_power_of_2(nbits))
     m_blocks = triton.cdiv(rows, BLOCK_M)
     can_split = not linear and triton.next_power_of_2(nbits) <= BLOCK_N and M > BLOCK_K
     if split is None:  # too few programs to fill the GPU otherwise (a decode step: one row block per KV head)
@@ -246,7 +270,7 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     a = append or PendingHash(x, out_words, out_words)  # unread placeholders without keys
     _mlp_hash_kernel[(m_blocks, Hkv, chunks)](
         x, w1, b1_, w2_, out_words, start if row_start else out_words, scr, cnt, n, G, B,
-        0 if row_start else start,
+        0 if row_start else start, float(margin or 0.0),
         x.stride(0), x.stride(1), x.stride(2), x.stride(3),
         w1.stride(0), w1.stride(1), w1.stride(2), b1_.stride(0), b1_.stride(1), w2_.stride(0), w2_.stride(1),
         w2_.stride(2), out_words.stride(0), out_words.stride(1), out_words.stride(2),
@@ -255,6 +279,7 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
         D=D, M=M, NBITS=nbits, W=W, PREC1=_prec(w1.dtype, precision), PREC2=_prec(w2_.dtype, precision),
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
         ROW_START=row_start, LINEAR=linear, SPLIT=bool(split), WITH_KEYS=append is not None,
+        CARE=margin is not None,
         num_warps=num_warps or (8 if BLOCK_M >= 64 else 4),
     )
 
@@ -281,11 +306,13 @@ def _split_scratch(device: torch.device, blocks: int, chunks: int, block_m: int,
 
 
 def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
-                  w2: torch.Tensor | None = None, **tuning) -> torch.Tensor:
-    """Fused MLP hash + sign + pack: x [B, H, n, D] -> int16 words [B, H, n, ceil(nbits / 16)]
-    (see mlp_hash_pack_into for the weights, `append` and `tuning`)."""
+                  w2: torch.Tensor | None = None, *, margin: float | None = None, **tuning) -> torch.Tensor:
+    """Fused MLP hash + sign + pack: x [B, H, n, D] -> int16 words [B, H, n, ceil(nbits / 16)], twice the words
+    with `margin` (ternary: signs, then care words); see mlp_hash_pack_into for the weights, `append` and
+    `tuning`."""
     _, _, nbits = _check(x, w1, b1, w2)
     B, H, n, _ = x.shape
-    out = torch.empty(B, H, n, triton.cdiv(nbits, 16), dtype=torch.int16, device=x.device)
-    mlp_hash_pack_into(x, w1, b1, w2, out, 0, **tuning)
+    W = triton.cdiv(nbits, 16) * (1 if margin is None else 2)
+    out = torch.empty(B, H, n, W, dtype=torch.int16, device=x.device)
+    mlp_hash_pack_into(x, w1, b1, w2, out, 0, margin=margin, **tuning)
     return out

@@ -318,16 +318,24 @@ def code_distance_reference(q_words: torch.Tensor, k_words: torch.Tensor, d: int
 
     q_words [B, Hq, W]; k_words [B, Hkv, L, W]; query head h reads KV head h // (Hq // Hkv).
     pool "sum" / "min" reduces over each KV head's query group -> [B, Hkv, L].
+    1-bit codes also take ternary queries, q_words [B, Hq, 2W]: the sign words, then the care words
+    (query_care_reference); a bit whose care bit is 0 counts for no key.
     """
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
-    B, Hq, _ = q_words.shape
-    Hkv = k_words.shape[1]
+    B, Hq, Wq = q_words.shape
+    Hkv, W = k_words.shape[1], k_words.shape[-1]
+    care = None
+    if bits == 1 and Wq == 2 * W:
+        q_words, care = q_words[..., :W], code_unpack_reference(q_words[..., W:], d, 1).bool()
     qc = code_unpack_reference(q_words, d, bits).int()  # [B, Hq, d]
     kc = code_unpack_reference(k_words, d, bits).int()  # [B, Hkv, L, d]
     kc = kc.repeat_interleave(Hq // Hkv, dim=1)  # clarity over speed
     diff = qc.unsqueeze(2) - kc
-    dist = (diff.abs() if metric == "l1" else diff * diff).sum(-1)
+    diff = diff.abs() if metric == "l1" else diff * diff
+    if care is not None:
+        diff = diff * care.unsqueeze(2)
+    dist = diff.sum(-1)
     if pool is not None:
         if pool not in ("sum", "min"):
             raise ValueError(f"pool must be None, 'sum' or 'min', got {pool!r}")
@@ -706,26 +714,48 @@ class PendingHash:
     slots: torch.Tensor
 
 
+def query_care_reference(y: torch.Tensor, margin: float) -> torch.Tensor:
+    """The bits of a ternary query that count: bool [..., nbits], |y| > margin · rms(y) over each row's bits, where
+    y [..., nbits] are the hash's pre-sign values. A bit whose value lies near 0 is as likely flipped as not; a key
+    matching or missing it says little, so it is left out of the distance."""
+    y = y.float()
+    return y.abs() > margin * y.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def check_margin(margin: float | None) -> None:
+    """A query margin is None (binary queries) or a finite number >= 0."""
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not 0 <= margin < float("inf")):
+        raise ValueError(f"margin must be None or a finite number >= 0, got {margin!r}")
+
+
 def mlp_hash_pack_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
-                            w2: torch.Tensor | None = None, append: PendingHash | None = None) -> torch.Tensor:
+                            w2: torch.Tensor | None = None, append: PendingHash | None = None,
+                            margin: float | None = None) -> torch.Tensor:
     """Spotlight's hash codes int16 [B, H, n, ceil(nbits / 16)]: bit j of the code = 1[mlp_hash_reference(x)_j > 0],
     packed as 1-bit codes (code_pack_reference, bits=1: bit j at position j % 16 of word j // 16, padding bits 0),
     i.e. quantize_pack_reference(y, thresholds (0,), bits=1, transform=False). Contract of
     `hash_mlp.mlp_hash_pack`; the codes' L1 distance with bits=1 (code_scores / code_topk) is their Hamming
-    distance. `append`: a decode step's key hash, done first."""
+    distance. `append`: a decode step's key hash, done first. `margin`: ternary codes [B, H, n, 2W], the sign
+    words then the care words (query_care_reference(y, margin), packed the same way), which the code distances
+    read as a query whose uncared bits count for no key."""
+    check_margin(margin)
     if append is not None:
         mlp_hash_pack_into_reference(append.k, w1, b1, w2, append.codes, append.slots)
     y = mlp_hash_reference(x, w1, b1, w2)
-    return code_pack_reference((y > 0).to(torch.uint8), bits=1)
+    words = code_pack_reference((y > 0).to(torch.uint8), bits=1)
+    if margin is None:
+        return words
+    return torch.cat([words, code_pack_reference(query_care_reference(y, margin).to(torch.uint8), bits=1)], -1)
 
 
 def mlp_hash_pack_into_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
                                  w2: torch.Tensor | None, out_words: torch.Tensor,
-                                 start: int | torch.Tensor) -> None:
-    """mlp_hash_pack_reference written into out_words [B, H, Lmax, W] at rows [start, start + n): `start` an int, or
-    a device tensor [B] of each batch row's first slot (one token per row at a decode step; no host read).
-    Contract of `hash_mlp.mlp_hash_pack_into`."""
-    words = mlp_hash_pack_reference(x, w1, b1, w2)
+                                 start: int | torch.Tensor, margin: float | None = None) -> None:
+    """mlp_hash_pack_reference written into out_words [B, H, Lmax, W] (2W with `margin`) at rows [start, start + n):
+    `start` an int, or a device tensor [B] of each batch row's first slot (one token per row at a decode step; no
+    host read). Contract of `hash_mlp.mlp_hash_pack_into`."""
+    words = mlp_hash_pack_reference(x, w1, b1, w2, margin=margin)
     if isinstance(start, int):
         out_words[:, :, start : start + x.shape[2]] = words
     else:

@@ -566,6 +566,9 @@ def train_hash(
                                          "loss, for the report (the paper's Table 1)")] = False,
     resume: ResumeOpt = False,
     seed: Annotated[int, typer.Option()] = 0,
+    query_margin: Annotated[Optional[float], typer.Option(
+        help="the held-out IoU ranks keys with ternary queries at this margin, as `--method spotlight` does "
+             "(default: the method's, 0.35; 0: every bit)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
     model: DumpModelOpt = None,
     device: DeviceOpt = "auto",
@@ -585,7 +588,7 @@ def train_hash(
             iters=iters, keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr,
             queries_per_step=queries_per_step, negatives=negatives, pooling=pooling, holdout=holdout,
             heldout_queries=heldout_queries, eval_every=eval_every, patience=patience,
-            checkpoint_every=checkpoint_every, linear=linear, seed=seed, device=dev)
+            checkpoint_every=checkpoint_every, linear=linear, seed=seed, query_margin=query_margin, device=dev)
     iou = report["iou"]
     cols = [k for k in ("linear_before", "linear_after", "mlp_before", "mlp_after") if k in iou["mean"]]
     t = Table(title=f"IoU with the exact top {100 * (1 - pruning):g} % of keys on held-out queries "

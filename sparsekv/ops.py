@@ -156,16 +156,18 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
 
 
 def mlp_hash_pack(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None = None,
-                  w2: torch.Tensor | None = None, append: ref.PendingHash | None = None) -> torch.Tensor:
+                  w2: torch.Tensor | None = None, append: ref.PendingHash | None = None,
+                  margin: float | None = None) -> torch.Tensor:
     """Spotlight's MLP hash sign(SiLU(x @ w1 + b1) @ w2) of x [B, H, n, D], packed as 1-bit codes: int16
     [B, H, n, ceil(nbits / 16)] (kernels/hash_mlp.py). w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]; without
     b1 and w2 the linear hash sign(x @ w1), w1 [Hkv, D, nbits] (LSH). `append`: a decode step's new keys, hashed
-    into their code buffer first (in the same launch)."""
+    into their code buffer first (in the same launch). `margin`: ternary codes, twice the words (the signs, then
+    the bits whose |value| exceeds margin times the row's root mean square), which the code distances read."""
     if use_kernels(x.device):
         from sparsekv.kernels.hash_mlp import mlp_hash_pack as kernel
 
-        return kernel(x, w1, b1, w2, append=append)
-    return ref.mlp_hash_pack_reference(x, w1, b1, w2, append)
+        return kernel(x, w1, b1, w2, append=append, margin=margin)
+    return ref.mlp_hash_pack_reference(x, w1, b1, w2, append, margin)
 
 
 def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor | None,

@@ -49,6 +49,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from sparsekv.kernels.reference import query_care_reference
+
 from .activations import Activations
 from .errors import SparseKVError
 from .jsonio import device_label
@@ -166,14 +168,18 @@ class SpotlightObjective:
         self.queries_per_step, self.negatives, self.seed = queries_per_step, negatives, seed
         self._truth: dict[int, tuple] = {}  # held-out example index -> its exact top-k (fixed; computed once)
 
-    def similarity(self, model: HashModel, ex: Example, hard: bool = False) -> torch.Tensor:
+    def similarity(self, model: HashModel, ex: Example, hard: bool = False, margin: float = 0.0) -> torch.Tensor:
         """[L, Hsel, nq, nk]: the query codes' similarity to every key's, pooled. Soft codes (softsign) while
-        training; `hard`: the ±1 codes the method stores (their inner product ranks as matching bits do)."""
+        training; `hard`: the ±1 codes the method stores (their inner product ranks as matching bits do), the
+        query's bits within `margin` of 0 set to 0 (ternary queries: they count for no key, as in the method)."""
         L, Hq, nq, D = ex.q.shape
         Hkv = ex.k.shape[1]
         act = torch.sign if hard else (lambda x: softsign(x, self.gamma))
         hk = act(model(ex.k))  # [L, Hkv, nk, bits]
-        hq = act(model(ex.q.reshape(L, Hkv, -1, D)))  # the group's queries through their KV head's hash
+        yq = model(ex.q.reshape(L, Hkv, -1, D))  # the group's queries through their KV head's hash
+        hq = act(yq)
+        if hard and margin:
+            hq = hq * query_care_reference(yq, margin)
         sim = torch.einsum("lhqb,lhkb->lhqk", hq, hk).view(L, Hkv, Hq // Hkv, nq, -1)
         return sim.sum(2) if self.pooling == "group" else sim.reshape(L, Hq, nq, -1)
 
@@ -190,15 +196,16 @@ class SpotlightObjective:
         per_query = rank_loss(self.similarity(model, ex), idx, valid, vis, self.alpha, self.beta, self.negatives, g)
         return per_query.mean(-1).sum()  # each head's mean; heads summed (their gradients stay their own)
 
-    def heads_iou(self, model: HashModel, examples: Sequence[Example]) -> torch.Tensor:
-        """Mean IoU [L, Hsel] between each held-out query's top-k by hard codes and its exact top-k (same k)."""
+    def heads_iou(self, model: HashModel, examples: Sequence[Example], margin: float = 0.0) -> torch.Tensor:
+        """Mean IoU [L, Hsel] between each held-out query's top-k by hard codes (ternary queries with `margin`) and
+        its exact top-k (same k)."""
         total, count = 0, 0
         with torch.no_grad():
             for n, ex in enumerate(examples):
                 if n not in self._truth:
                     self._truth[n] = self.truth(ex)
                 idx, valid, vis, k = self._truth[n]
-                sim = self.similarity(model, ex, hard=True).double()  # integers (matching bits)
+                sim = self.similarity(model, ex, hard=True, margin=margin).double()  # integers (matching bits)
                 nk = sim.shape[-1]
                 order = torch.arange(nk, device=sim.device)
                 sim = sim * nk + (order if CODE_TIES == "high" else nk - 1 - order)  # ties as the method breaks them
@@ -213,12 +220,21 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
                  beta: float = 1.0, pooling: str = "group", queries_per_step: int = 64, negatives: int = 1024,
                  lr: float = 1e-3,
                  holdout: float = 0.1, heldout_queries: int = 256, eval_every: int = 0, patience: int = 2,
-                 checkpoint_every: int = 512, linear: bool = False, seed: int = 0, device: str | torch.device = "cpu",
+                 checkpoint_every: int = 512, linear: bool = False, seed: int = 0, query_margin: float | None = None,
+                 device: str | torch.device = "cpu",
                  work: str | Path | None = None, resume: bool = False, progress: Any = None
                  ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Fit the hashes of `layers` (default: all) to the dump; returns (tensors, config, report): tensors w1 [L, Hkv,
     D, hidden], b1 [L, Hkv, hidden], w2 [L, Hkv, hidden, nbits] (fp32) and layers [L] (the model layers they are for).
-    `work`: the checkpoint folder (sparsekv.offline.stage.checkpoint_dir); `resume`: continue the run saved there."""
+    `work`: the checkpoint folder (sparsekv.offline.stage.checkpoint_dir); `resume`: continue the run saved there.
+    `query_margin`: after training, the held-out IoU of ternary queries at this margin (default: the method's,
+    0.35) is measured beside that of binary ones, and the better margin goes into the config, which `spotlight`
+    takes as its default (0 compares nothing: binary queries)."""
+    from .methods.spotlight import Spotlight
+
+    margin = Spotlight.default_query_margin if query_margin is None else query_margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
+        raise SparseKVError(f"--query-margin must be a number >= 0, got {query_margin}")
     for name, v in (("--bits", nbits), ("--hidden", hidden)):
         if v < 16 or v % 16:
             raise SparseKVError(f"{name} must be a positive multiple of 16, got {v}")
@@ -262,6 +278,13 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
                 evaluate=lambda: {"iou": float(obj.heads_iou(model, held).mean())}, progress=progress,
                 label="train-hash", show="iou")
     iou_after = obj.heads_iou(model, held)
+    # ternary queries rank better when the hash's small outputs are its unreliable bits: measured, not assumed
+    margins = {0.0: float(iou_after.mean())}
+    if margin:
+        margins[float(margin)] = float(obj.heads_iou(model, held, margin).mean())
+    config["query_margin"] = max(margins, key=lambda m: (margins[m], -m))
+    report["query_margin"] = {"held_out_iou": {str(m): round(v, 4) for m, v in margins.items()},
+                              "chosen": config["query_margin"]}
     report["train"] = run.report()
     ious = {"mlp_before": iou_before, "mlp_after": iou_after, "linear_before": iou_lsh}
     if linear:

@@ -509,3 +509,63 @@ def test_gpu_ip_scores_real_shape():
         want = torch.topk(ref.view(-1, L), 255).indices.tolist()
         same = sum(len(set(a) & set(b)) for a, b in zip(got, want)) / (255 * len(got))
         assert same > 0.99  # rounding-level differences may swap a key at the cut
+
+
+def _ternary_words(lead, d, seed=0, care=0.67):
+    """Ternary query words [..., 2W]: random sign words, then care words with about `care` of the bits set."""
+    signs = _random_words(lead, d, 1, seed)
+    cared = (torch.rand(*lead, d, generator=_gen(seed + 1)) < care).to(torch.uint8)
+    return torch.cat([signs, code_pack_reference(cared, 1)], -1)
+
+
+def test_ternary_distance_by_hand():
+    """A ternary query counts the differing bits it cares for only."""
+    qw = torch.cat([code_pack_reference(torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8), 1),
+                    code_pack_reference(torch.tensor([1, 1, 0, 1, 0], dtype=torch.uint8), 1)]).view(1, 1, 2).to(DEV)
+    keys = torch.tensor([[1, 0, 1, 1, 0],  # itself: 0
+                         [0, 1, 0, 0, 1],  # every bit differs; bits 0, 1 and 3 count: 3
+                         [1, 1, 1, 1, 1],  # bits 1 and 4 differ; 4 does not count: 1
+                         [1, 0, 0, 1, 1]], dtype=torch.uint8)  # bits 2 and 4 differ, neither counts: 0
+    kw = code_pack_reference(keys, 1).view(1, 1, 4, 1).to(DEV)
+    assert code_distance(qw, kw, 4, 5, 1).view(-1).tolist() == [0, 3, 1, 0]
+    assert code_distance_reference(qw, kw, 5, 1).view(-1).tolist() == [0, 3, 1, 0]
+    assert code_scores(qw, kw, 4, 5, 1, pool="sum").view(-1).tolist() == [0, -3, -1, 0]
+    with pytest.raises(ValueError, match="ternary"):  # 2-bit codes take no care words
+        code_distance(_random_words((1, 1), 16, 2).repeat(1, 1, 2).to(DEV), _random_words((1, 1, 3), 16, 2).to(DEV),
+                      3, 16, 2)
+
+
+@pytest.mark.parametrize("G", [1, 4])
+@pytest.mark.parametrize("D", [128, 80, 20])  # 8 words (int32 lanes), 5 (int16 words), 2 (one int32 lane)
+def test_ternary_distance_matches_reference(G, D):
+    B, Hkv, Lmax, length = 2, 2, 160, 141
+    qw = _ternary_words((B, Hkv * G), D, seed=G + D).to(DEV)
+    kw = _random_words((B, Hkv, Lmax), D, 1, seed=D).to(DEV)
+    ref = code_distance_reference(qw, kw[:, :, :length], D, 1)
+    assert torch.equal(code_distance(qw, kw, length, D, 1), ref)
+    assert not torch.equal(ref, code_distance_reference(qw[..., : qw.shape[-1] // 2], kw[:, :, :length], D, 1))
+    for pool in ("sum", "min"):
+        want = code_distance_reference(qw, kw[:, :, :length], D, 1, pool=pool)
+        assert torch.equal(code_distance(qw, kw, length, D, 1, pool=pool), want), pool
+    sc = code_scores(qw[:, :, None], kw[:, :, 3:], length - 3, D, 1, pool="sum")  # [B, Hq, 1, 2W], a sliced cache
+    assert torch.equal(sc.float(), -code_distance_reference(qw, kw[:, :, 3:length], D, 1, pool="sum").float())
+    full = torch.cat([qw[..., : qw.shape[-1] // 2], torch.full_like(qw[..., qw.shape[-1] // 2:], -1)], -1)
+    assert torch.equal(code_distance(full, kw, length, D, 1), code_distance(qw[..., : qw.shape[-1] // 2], kw, length,
+                                                                             D, 1))  # caring for every bit: Hamming
+
+
+@pytest.mark.skipif(not CUDA, reason="the POPC paths run only on CUDA (the interpreter runs no PTX)")
+def test_gpu_ternary_lane_paths():
+    """Ternary queries through every counting path on the GPU (SWAR, POPC), int32 lanes and int16 words."""
+    from sparsekv.kernels.codes import _launch_distance
+
+    B, Lmax, length = 2, 700, 613
+    for D, G in ((128, 4), (80, 4), (20, 1)):
+        qw = _ternary_words((B, 2 * G), D, seed=D + G).cuda()
+        kw = _random_words((B, 2, Lmax), D, 1, seed=D).cuda()[:, :, 1:]
+        ref = code_distance_reference(qw, kw[:, :, :length], D, 1)
+        for popc in (0, 1, 2):
+            out = _launch_distance(qw, kw, length, D, 1, "l1", None, torch.int32, False, None, 4, popc=popc)[0]
+            assert torch.equal(out, ref), (D, G, popc)
+        want = code_distance_reference(qw, kw[:, :, :length], D, 1, pool="sum")
+        assert torch.equal(code_distance(qw, kw, length, D, 1, pool="sum"), want), (D, G)

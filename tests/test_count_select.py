@@ -328,3 +328,26 @@ def test_gpu_graph_capture_short_rows():
         out.zero_()
         g.replay()
         assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.parametrize("m", [0, 3])
+@pytest.mark.parametrize("ties", ["low", "high"])
+def test_code_topk_ternary_queries(ties, m):
+    """Ternary query words (signs, then care words) through the fused top-k, with and without head_top: the keys of
+    the reference's distances, which count the cared-for bits only."""
+    from sparsekv.kernels.reference import code_distance_reference
+
+    B, Hq, Hkv, D, L, k = 2, 6, 2, 128, 400, 40
+    qw, kw = _codes(B, Hq, Hkv, L + 3, D, 1, 11)
+    tq = torch.cat([qw, _codes(B, Hq, Hkv, 1, D, 1, 12)[0]], -1)  # random care words: about half the bits
+    got = code_topk(tq, kw[:, :, 3:], L, D, k, 1, pool="sum", offset=3, ties=ties, head_top=m, block_l=64,
+                    _chunk=128)
+    if m:
+        want, _ = head_top_want(tq, kw[:, :, 3:], L, D, 1, k, m, ties)
+    else:
+        want = smallest_reference(code_distance_reference(tq.cpu(), kw[:, :, 3:3 + L].cpu(), D, 1, pool="sum"), k,
+                                  0, ties)
+    assert torch.equal(got.cpu(), want + 3)
+    binary = code_topk(qw, kw[:, :, 3:], L, D, k, 1, pool="sum", offset=3, ties=ties, head_top=m, block_l=64,
+                       _chunk=128)
+    assert not torch.equal(got, binary)  # the care words change the choice

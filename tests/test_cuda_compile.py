@@ -69,6 +69,7 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
         qw = torch.randint(-32768, 32767, (1, 4, 8), generator=g, dtype=torch.int32).to(torch.int16)
         kw = torch.randint(-32768, 32767, (1, 1, 500, 8), generator=g, dtype=torch.int32).to(torch.int16)
         code_topk(qw, kw, 500, 128, 60, 1, pool="sum", head_top=3, ties="high", _chunk=128)
+        code_topk(torch.cat([qw, qw], -1), kw, 500, 128, 60, 1, pool="sum", head_top=3, _chunk=128)  # ternary
         smallest_k(torch.randint(0, 300, (2, 700), generator=g, dtype=torch.int32).to(torch.int16), 50, 300,
                    _chunk=128)
         # Adamas' codes at head dim 128 (16 words a key: the GPU's int64 lanes, below), per query head and pooled
@@ -82,6 +83,8 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
         # a decode step's query hash on a GPU: the hidden units split over programs (too few rows to fill it)
         h = untrained_hashes(1, 2, 64)
         mlp_hash_pack(torch.randn(1, 4, 1, 64, generator=g), h["w1"][0], h["b1"][0], h["w2"][0], split=True)
+        mlp_hash_pack(torch.randn(1, 4, 1, 64, generator=g), h["w1"][0], h["b1"][0], h["w2"][0], split=True,
+                      margin=0.35)  # ternary queries (Spotlight's default)
     launched = {s["name"] for s in specs.values()}
     assert EXPECTED <= launched, f"the workload no longer launches {sorted(EXPECTED - launched)}"
     todo = list(specs.values()) + [v for s in specs.values() for v in gpu_paths(s)]

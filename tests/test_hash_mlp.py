@@ -310,3 +310,63 @@ def test_bf16_on_gpu():
     torch.cuda.synchronize()
     assert torch.equal(state[:, :, L + 3 : L + 4], mlp_hash_pack(one, w1, b1, w2))
     assert not state[:, :, : L + 3].any() and not state[:, :, L + 4 :].any()
+
+
+def _check_care(words, x, w1, b1, w2, margin, rel=1e-4):
+    """Ternary words [..., 2W]: the sign words as _check, then the care words == |y| > margin · rms(y), except where
+    |y| lies within rel·std of that threshold; padding bits 0."""
+    y = mlp_hash_reference(x, w1, b1, w2).cpu()
+    nbits, W = y.shape[-1], words.shape[-1] // 2
+    _check(words[..., :W], x, w1, b1, w2, rel=rel)
+    got = _bits(words[..., W:].cpu())
+    assert not got[..., nbits:].any(), "padding care bits must be 0"
+    lim = margin * y.pow(2).mean(-1, keepdim=True).sqrt()
+    bad = got[..., :nbits] != (y.abs() > lim).to(torch.uint8)
+    assert not (bad & ((y.abs() - lim).abs() > rel * y.std())).any(), "care bits differ away from the threshold"
+    return got[..., :nbits]
+
+
+@pytest.mark.parametrize("hash_kind,split,nbits", [("mlp", True, 128), ("mlp", False, 128), ("mlp", False, 40),
+                                                   ("linear", False, 128), ("linear", False, 40)])
+@pytest.mark.parametrize("case", CASES)
+def test_ternary_query_words(hash_kind, split, nbits, case):
+    """margin: each row's sign words, then its care words (|y| > margin · rms(y) over the row's bits), for every
+    path (split hidden units, chunks of bits, the linear hash's one chunk); the same as the reference; margin 0
+    cares for every nonzero bit."""
+    B, Hkv, G, n = case
+    w = _weights(Hkv, 64, M=48, nbits=nbits, seed=nbits) if hash_kind == "mlp" else \
+        [(torch.randn(Hkv, 64, nbits, generator=_gen(nbits)) / 8).to(DEV), None, None]
+    x = torch.randn(B, Hkv * G, n, 64, generator=_gen(n + G)).to(DEV)
+    tuning = dict(split=split, block_k=16) if hash_kind == "mlp" else {}
+    words = mlp_hash_pack(x, *w, margin=0.35, **tuning)
+    W = -(-nbits // 16)
+    assert words.shape == (B, Hkv * G, n, 2 * W)
+    assert torch.equal(words[..., :W], mlp_hash_pack(x, *w, **tuning))  # the signs are the binary codes
+    care = _check_care(words, x, *w, 0.35)
+    assert 0.5 < care.float().mean() < 0.95  # most bits, not all: |N(0, 1)| > 0.35 for ~73 %
+    ref = mlp_hash_pack_reference(x, *w, margin=0.35)
+    assert ref.shape == words.shape and (words != ref).float().mean() <= 0.01
+    assert bool(_check_care(mlp_hash_pack(x, *w, margin=0.0, **tuning), x, *w, 0.0).all())
+    with pytest.raises(ValueError, match="margin"):
+        mlp_hash_pack(x, *w, margin=-0.1)
+    with pytest.raises(ValueError, match="margin needs every bit"):
+        mlp_hash_pack(x, *w, margin=0.35, block_n=16)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_ternary_queries_with_step_keys(split):
+    """A decode step's keys hashed in a ternary query launch: the keys' codes stay binary (W words at their slots,
+    nothing written past them), the queries get their care words."""
+    B, Hkv, G, D = 2, 2, 3, 64
+    w = _weights(Hkv, D, M=48, nbits=40, seed=5)
+    q = torch.randn(B, Hkv * G, 1, D, generator=_gen(8)).to(DEV)
+    k = torch.randn(B, Hkv, 1, D, generator=_gen(9)).to(DEV)
+    slots = torch.tensor([5, 0], dtype=torch.int32, device=DEV)
+    codes = torch.randint(-30000, 30000, (B, Hkv, 9, 3), generator=_gen(2), dtype=torch.int16).to(DEV)
+    want_codes = codes.clone()
+    mlp_hash_pack_into(k, *w, want_codes, slots, split=split, block_k=16)
+    got_codes = codes.clone()
+    got_q = mlp_hash_pack(q, *w, append=PendingHash(k, got_codes, slots), margin=0.5, split=split, block_k=16)
+    assert torch.equal(got_codes, want_codes)
+    assert torch.equal(got_q, mlp_hash_pack(q, *w, margin=0.5, split=split, block_k=16))
+    _check_care(got_q, q, *w, 0.5)

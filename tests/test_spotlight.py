@@ -19,14 +19,20 @@ def hashes(layers=1, kv=2, d=20, hidden=32, nbits=48, seed=0):
     return untrained_hashes(layers, kv, d, hidden=hidden, nbits=nbits, seed=seed)
 
 
-def matching_bits(q, keys, h, pooling):
-    """Matching bits of sign(MLP(q)) and sign(MLP(k)) by hand, pooled: [B, Hsel, L]."""
+def matching_bits(q, keys, h, pooling, margin=0.0):
+    """Matching bits of sign(MLP(q)) and sign(MLP(k)) by hand, pooled: [B, Hsel, L]; with `margin` minus the
+    differing bits of the query's cared-for ones (|y| > margin · rms(y)), the method's default ranking."""
     B, Hkv, L, D = keys.shape
     w = (h["w1"][0], h["b1"][0], h["w2"][0])
     kb = mlp_hash_reference(keys, *w) > 0
-    qb = mlp_hash_reference(q, *w) > 0  # [B, Hq, 1, nbits]
+    y = mlp_hash_reference(q, *w)  # [B, Hq, 1, nbits]
     G = q.shape[1] // Hkv
-    same = (qb.view(B, Hkv, G, 1, -1) == kb.unsqueeze(2)).sum(-1)  # [B, Hkv, G, L]
+    same = qb = (y > 0).view(B, Hkv, G, 1, -1) == kb.unsqueeze(2)  # [B, Hkv, G, L, nbits]
+    if margin:
+        care = (y.abs() > margin * y.pow(2).mean(-1, keepdim=True).sqrt()).view(B, Hkv, G, 1, -1)
+        same = -(~qb & care).sum(-1)
+    else:
+        same = qb.sum(-1)
     return (same.sum(2) if pooling == "group" else same.reshape(B, Hkv * G, L)).float()
 
 
@@ -45,11 +51,15 @@ def test_choice_is_the_top_k_by_matching_bits(pooling):
     keys = torch.randn(1, 2, 90, 20, generator=_gen(2))
     q = torch.randn(1, 6, 1, 20, generator=_gen(3))
     h = hashes()
+    binary = get_method("spotlight", budget=24, pooling=pooling, hashes=h, query_margin=0)
+    st = build(binary, keys, [90], q_heads=6)
+    G = 1 if pooling == "head" else 3  # -Hamming = matching - nbits
+    assert torch.equal(binary.hash_scores(st, q, 0, 90), matching_bits(q, keys, h, pooling) - 48 * G)
     m = get_method("spotlight", budget=24, pooling=pooling, hashes=h)
+    assert m.config()["query_margin"] == 0.35 and binary.config()["query_margin"] == 0.0
     st = build(m, keys, [90], q_heads=6)
-    want = matching_bits(q, keys, h, pooling)
-    G = 1 if pooling == "head" else 3
-    assert torch.equal(m.hash_scores(st, q, 0, 90), want - 48 * G)  # -Hamming = matching - nbits
+    want = matching_bits(q, keys, h, pooling, 0.35)  # minus the differing bits the queries care for
+    assert torch.equal(m.hash_scores(st, q, 0, 90), want)
     sel = m.select(st, q, None)
     picked = want.gather(-1, sel.indices).sort(-1).values
     assert torch.equal(picked, want.topk(24, -1).values.sort(-1).values)
@@ -63,7 +73,7 @@ def test_choice_is_the_top_k_by_matching_bits(pooling):
     if pooling == "head":
         assert torch.equal(want.gather(-1, sel.indices).sort(-1).values, want.topk(24, -1).values.sort(-1).values)
         return
-    own = matching_bits(q, keys, h, "head") * 1000 + torch.arange(90)  # [1, 6, 90]
+    own = matching_bits(q, keys, h, "head", 0.35) * 1000 + torch.arange(90)  # [1, 6, 90]
     forced = torch.zeros(1, 2, 90, dtype=torch.bool)
     for head in range(6):
         forced[0, head // 3, own[0, head].topk(4).indices] = True
@@ -115,3 +125,25 @@ def test_a_sparse_layer_needs_a_hash(tiny, prompt_ids):
     with pytest.raises(SparseKVError, match="hash 2 KV heads of dim 16"):
         bad = untrained_hashes(2, tiny.kv_heads, 16, hidden=32, nbits=32)
         generate(tiny, prompt_ids, get_method("spotlight", budget=40, hashes=bad), 3, stop_on_eos=False)
+
+
+def test_query_margin_option():
+    """query_margin: Spotlight's default 0.35, lsh's 0 (binary, as the papers); ternary query words carry twice the
+    words; bad values and methods that do not hash are refused with one clear line."""
+    from sparsekv.methods import MethodOptions
+
+    keys = torch.randn(1, 2, 40, 20, generator=_gen(6))
+    q = torch.randn(1, 6, 1, 20, generator=_gen(7))
+    for name, kw, default in (("spotlight", {"hashes": hashes()}, 0.35), ("lsh", {"nbits": 48}, 0.0)):
+        assert get_method(name, budget=8, **kw).config()["query_margin"] == default
+        for margin, words in ((0, 3), (0.5, 6)):
+            m = get_method(name, budget=8, query_margin=margin, **kw)
+            st = build(m, keys, [40], q_heads=6)
+            assert m.query_words(st, q).shape == (1, 6, 1, words)
+            assert m.select(st, q, None).indices.shape == (1, 2, 8)
+        for bad in (-0.1, float("nan"), "x", True):
+            with pytest.raises(SparseKVError, match=f"{name}: query_margin"):
+                get_method(name, budget=8, query_margin=bad, **kw)
+    assert MethodOptions(query_margin=0.5).for_method("lsh") == {"query_margin": 0.5}
+    with pytest.raises(SparseKVError, match="--query-margin apply to none"):
+        MethodOptions(query_margin=0.5).check(["adamas", "quest"])

@@ -109,6 +109,16 @@ def test_training_finds_the_known_answer():
     assert tensors["w1"].shape == (2, 1, 16, 32) and tensors["w2"].shape == (2, 1, 32, 32)
     assert tensors["layers"].tolist() == [0, 1] and config["pruning_rate"] == pytest.approx(1 - 16 / 128)
     assert [s for s, _ in report["train"]["heldout_curve"]] == [40, 80]
+    # ternary queries at 0.35 rank worse here (the queries' large outputs carry the shared offset, not their
+    # direction): the binary queries' margin 0 is recorded, and the method takes it
+    ious = report["query_margin"]["held_out_iou"]
+    assert ious["0.0"] == pytest.approx(iou["mlp_after"], abs=1e-4) and ious["0.35"] < ious["0.0"] - 0.1
+    assert config["query_margin"] == report["query_margin"]["chosen"] == 0.0
+    _, config, report = train_hashes(acts, iters=80, hidden=32, nbits=32, keep=16 / 128, lr=1e-2,
+                                     queries_per_step=16, holdout=0.34, eval_every=40, query_margin=0)
+    assert config["query_margin"] == 0.0 and list(report["query_margin"]["held_out_iou"]) == ["0.0"]
+    with pytest.raises(SparseKVError, match="query-margin"):
+        train_hashes(acts, iters=2, query_margin=-1.0)
 
 
 def test_training_keeps_its_best_evaluation_unless_patience_is_zero():
@@ -189,6 +199,9 @@ def test_fit_hashes_writes_an_artifact_spotlight_loads(tiny, tmp_path):
     assert manifest["config"]["nbits"] == 32 and manifest["report"]["train"]["steps"] == 6
     m = get_method("spotlight", budget=16, artifact=str(path))
     assert m.nbits == 32 and m.config()["pooling"] == "group"
+    chosen = manifest["config"]["query_margin"]  # train-hash's better margin on its held-out queries
+    assert chosen in (0.0, 0.35) and m.config()["query_margin"] == chosen
+    assert get_method("spotlight", budget=16, artifact=str(path), query_margin=0.5).config()["query_margin"] == 0.5
     m.bind(tiny)
     other = type("Other", (), {"fingerprint": lambda self: {**tiny.fingerprint(), "num_layers": 3}})()
     with pytest.raises(SparseKVError, match="num_layers"):

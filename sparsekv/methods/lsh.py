@@ -59,8 +59,9 @@ class LSH(HashSelect):
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, nbits: int = 128, seed: int = 0, projection: str = "rotation",
-                 head_top: int | None = None, **options: Any):
-        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, head_top=head_top, **options)
+                 head_top: int | None = None, query_margin: float | None = None, **options: Any):
+        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, head_top=head_top,
+                         query_margin=query_margin, **options)
         self.nbits, self.seed, self.projection = int(nbits), int(seed), str(projection)
         if self.nbits < 1:
             raise SparseKVError(f"lsh: nbits must be >= 1, got {nbits}")

@@ -42,6 +42,9 @@ class MethodOptions:
     nbits: int | None = _option("lsh: hash bits per key")
     head_top: int | None = _option("lsh, spotlight, adamas: each query head's M nearest keys are chosen first, the "
                                    "rest by the group's summed distance (pooling 'group'; default 0: off)")
+    query_margin: float | None = _option("lsh, spotlight: ternary queries, a query bit counts only where its hash "
+                                         "value exceeds this fraction of the query's root mean square over its bits "
+                                         "(0: every bit, the papers' Hamming distance; default: spotlight 0.35, lsh 0)")
     projection: str | None = _option("lsh: its hyperplanes, 'rotation' (angular LSH, the Spotlight paper's linear "
                                      "baseline; default) or 'gaussian' (plain SimHash hyperplanes, as MagicPIG)")
     probes: int | None = _option("saap: buckets visited per query, ℓ (default: the paper's 32 per 1024 buckets)")

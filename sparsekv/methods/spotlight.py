@@ -17,6 +17,12 @@ Defaults and where they come from:
   one choice per KV head, as `lsh`). `head_top=4` (ours; the paper does not say how a GQA group shares one
   choice) chooses each query head's 4 nearest keys first: better at retrieval, a little slower and lower in
   average recall (sparsekv/methods/hashing.py).
+- query_margin: the artifact's (ours; sparsekv/methods/hashing.py): ternary queries, a query bit counts only where
+  |y_j| > margin · rms(y), y the MLP's pre-sign outputs. train-hash measures its held-out IoU with binary queries
+  and at 0.35 and records the better; 0.35 for artifacts that record none and for `hashes=`. On the default model
+  it ranks better (BENCHMARKS.md, "Ternary queries"); where a hash's large outputs are not its reliable bits (a
+  synthetic problem whose queries share a large offset, tests/test_train_hash.py) it ranks worse, and train-hash
+  records 0 (binary, the paper's).
 """
 
 from __future__ import annotations
@@ -48,11 +54,13 @@ class Spotlight(HashSelect):
     summary = "learned MLP hash (train-hash), Hamming distance -> top-k tokens (Spotlight Attention)"
     default_sink = 0
     default_window = 0
+    default_query_margin = 0.35
     needs_artifact = True
 
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, artifact: str | Path | None = None,
-                 hashes: dict[str, torch.Tensor] | None = None, head_top: int | None = None, **options: Any):
+                 hashes: dict[str, torch.Tensor] | None = None, head_top: int | None = None,
+                 query_margin: float | None = None, **options: Any):
         """`artifact`: a train-hash version folder. `hashes` instead: the tensors themselves (w1, b1, w2, layers as
         train_hash.train_hashes returns them; `untrained_hashes` for speed runs and tests)."""
         if (artifact is None) == (hashes is None):
@@ -66,7 +74,10 @@ class Spotlight(HashSelect):
             cfg, hashes = art.config, art.tensors.get("hash", {})
         if pooling is None:
             pooling = cfg.get("pooling", "group")
-        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, head_top=head_top, **options)
+        if query_margin is None:  # train-hash's choice for these hashes (artifacts before it: the default)
+            query_margin = cfg.get("query_margin", self.default_query_margin)
+        super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, head_top=head_top,
+                         query_margin=query_margin, **options)
         where = f"the artifact at {self.artifact}" if self.artifact else "the hashes given"
         missing = [k for k in ("w1", "b1", "w2", "layers") if k not in hashes]
         if missing:
