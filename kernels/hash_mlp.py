@@ -207,7 +207,8 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     out_words: int16 [B, H, Lmax, ceil(nbits / 16)] with contiguous words (the cache state; other slots are not
     touched); with `margin`, [B, H, Lmax, 2 ceil(nbits / 16)]: ternary codes, each row's sign words then its care
     words, 1 where |y| > margin · rms(y) over the row's bits (reference.query_care_reference; the appended keys'
-    codes stay binary). A row's bits are then taken in one chunk (block_n >= nbits) for its root mean square. start: an int, or a device integer tensor [B] of each batch row's first slot (a decode step: rows
+    codes stay binary), a row's bits then taken in one chunk (block_n >= nbits) for its root mean square.
+    start: an int, or a device integer tensor [B] of each batch row's first slot (a decode step: rows
     [start[b], start[b] + n); not range-checked: no host read). w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, nbits]:
     fp32 or 16-bit, any strides; H a multiple of Hkv (head h uses KV head h // (H // Hkv)'s weights). b1 and w2
     None: the linear hash sign(x @ w1), w1 [Hkv, D, nbits] (LSH's hyperplanes).

@@ -567,8 +567,9 @@ def train_hash(
     resume: ResumeOpt = False,
     seed: Annotated[int, typer.Option()] = 0,
     query_margin: Annotated[Optional[float], typer.Option(
-        help="the held-out IoU ranks keys with ternary queries at this margin, as `--method spotlight` does "
-             "(default: the method's, 0.35; 0: every bit)")] = None,
+        help="after training, the held-out IoU of ternary queries at this margin is compared with that of binary "
+             "ones and the better margin is recorded for `--method spotlight` (default 0.35; 0: binary queries, "
+             "nothing compared)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
     model: DumpModelOpt = None,
     device: DeviceOpt = "auto",

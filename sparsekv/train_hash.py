@@ -170,8 +170,9 @@ class SpotlightObjective:
 
     def similarity(self, model: HashModel, ex: Example, hard: bool = False, margin: float = 0.0) -> torch.Tensor:
         """[L, Hsel, nq, nk]: the query codes' similarity to every key's, pooled. Soft codes (softsign) while
-        training; `hard`: the ±1 codes the method stores (their inner product ranks as matching bits do), the
-        query's bits within `margin` of 0 set to 0 (ternary queries: they count for no key, as in the method)."""
+        training; `hard`: the ±1 codes the method stores (their inner product ranks as matching bits do), with
+        `margin` the query's bits with |y| <= margin · rms(y) set to 0 (ternary queries: they count for no key, as
+        in the method)."""
         L, Hq, nq, D = ex.q.shape
         Hkv = ex.k.shape[1]
         act = torch.sign if hard else (lambda x: softsign(x, self.gamma))

@@ -10,12 +10,12 @@ above 0.3 was chosen for 43 % of them, 77 % with m 4, and Spotlight's RULER NIAH
 forced keys cost some average recall and a few µs a layer: each block's nearest key per query head in the distance
 kernel, and a forcing step that shares the counting select's first launch (benchmarks/BENCHMARKS.md, "Each query
 head's nearest keys").
-`query_margin` t (ours; Spotlight's default 0.35, lsh's 0: off): ternary queries. A query bit counts only where its
-hash value y_j is far from 0, |y_j| > t · rms(y) over the query's bits; keys are hashed as before. A bit near 0 is
-as likely flipped as not, so a key matching it says little: leaving those bits out ranks by the bits the query is
-sure of. The distance kernel ANDs each xor with the query's care words (one more operation per word); on SmolLM2 it
-raised Spotlight's IoU with the oracle by 0.03 and its RULER NIAH at 4096 by 2.3 points (BENCHMARKS.md, "Ternary
-queries")."""
+`query_margin` t (ours; Spotlight: its artifact's, 0.35 without one; lsh: 0, off): ternary queries. A query bit
+counts only where its hash value y_j is far from 0, |y_j| > t · rms(y) over the query's bits; keys are hashed as
+before. A bit near 0 is as likely flipped as not, so a key matching it says little: leaving those bits out ranks by
+the bits the query is sure of. The distance kernel ANDs each xor with the query's care words (one more operation
+per word); on SmolLM2 it raised Spotlight's IoU with the oracle by 0.03 and its RULER NIAH at 4096 by 2.3 points
+(BENCHMARKS.md, "Ternary queries")."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ class MethodOptions:
                                    "rest by the group's summed distance (pooling 'group'; default 0: off)")
     query_margin: float | None = _option("lsh, spotlight: ternary queries, a query bit counts only where its hash "
                                          "value exceeds this fraction of the query's root mean square over its bits "
-                                         "(0: every bit, the papers' Hamming distance; default: spotlight 0.35, lsh 0)")
+                                         "(0: every bit, the papers' Hamming distance; default: spotlight its "
+                                         "artifact's, 0.35 without one; lsh 0)")
     projection: str | None = _option("lsh: its hyperplanes, 'rotation' (angular LSH, the Spotlight paper's linear "
                                      "baseline; default) or 'gaussian' (plain SimHash hyperplanes, as MagicPIG)")
     probes: int | None = _option("saap: buckets visited per query, ℓ (default: the paper's 32 per 1024 buckets)")
