@@ -598,6 +598,9 @@ def train_hash(
     console.print(_layer_table(t, iou["per_layer"], iou["mean"], {header(c): _cell(c) for c in cols}))
     _write_json(json_out, {"artifact": str(path), **report})
     _print_kept(report["train"], "IoU")
+    qm = report["query_margin"]
+    console.print("query margin " + str(qm["chosen"]) + " (held-out IoU: " + ", ".join(
+        f"{'binary' if float(m) == 0 else f'ternary at {m}'} {v:.4f}" for m, v in qm["held_out_iou"].items()) + ")")
     console.print(f"trained in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
 
 

@@ -248,12 +248,14 @@ def test_learned_stages_write_artifacts_their_methods_run(inputs, tmp_path):
     small = ["--acts", str(inputs / "dump"), "--out", str(tmp_path / "art"), "--iters", "4", "--queries-per-step", "4"]
     r = sparsekv("train-hash", *small, "--bits", "32", "--hidden", "32", "--json", str(tmp_path / "th.json"))
     assert r.returncode == 0 and "kept the weights of iteration" in r.stdout, r.stderr
+    assert "query margin" in r.stdout and "(held-out IoU: binary" in r.stdout and "ternary at 0.35" in r.stdout
     r = sparsekv("index", *small, "--clusters", "4", "--hidden", "16", "--json", str(tmp_path / "ix.json"))
     assert r.returncode == 0 and "kept the weights of iteration" in r.stdout, r.stderr
     th, ix = (json.loads((tmp_path / f).read_text()) for f in ("th.json", "ix.json"))
     # both stages evaluate every iteration here (iters / 8 and iters / 16 < 1) and keep their best one: 2 worse ones
     # in a row stop them
     assert 2 < th["train"]["steps"] <= 4 and set(th["iou"]["mean"]) == {"mlp_before", "mlp_after", "linear_before"}
+    assert set(th["query_margin"]["held_out_iou"]) == {"0.0", "0.35"} and th["query_margin"]["chosen"] in (0.0, 0.35)
     kept = th["train"]["kept"]
     assert kept["by"] == "iou" and kept["value"] == max(m["iou"] for _, m in th["train"]["heldout_curve"])
     assert ix["clusters"]["used"] == 4 and 2 < ix["train"]["steps"] <= 4 and "imbalance" in ix["buckets"]
