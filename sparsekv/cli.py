@@ -581,6 +581,8 @@ def train_hash(
     dev = validate.device(device)
     if not 0 < pruning < 1:
         raise SparseKVError(f"--pruning must be in (0, 1), got {pruning}")
+    if query_margin is not None and not 0 <= query_margin < float("inf"):
+        raise SparseKVError(f"--query-margin must be a number >= 0, got {query_margin}")
     data = _dump(acts, model, dev)
     chosen = _csv(layers, int, "layers")
     with _progress() as progress, _resumable("train-hash"):

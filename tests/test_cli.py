@@ -119,6 +119,8 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     (["train-hash", "--acts", "{fx}/corrupt", "--out", "{tmp}/a"], "layer_001.safetensors sha256 mismatch"),
     (["train-hash", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--bits", "20"], "--bits must be a positive multiple"),
     (["train-hash", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--pruning", "1.5"], "--pruning must be in (0, 1)"),
+    (["train-hash", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--query-margin", "-1"],
+     "--query-margin must be a number >= 0"),
     (["train-hash", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--iters", "3", "--resume"], "--resume: no checkpoint"),
     (["index", "--acts", "{fx}/dump3", *TINY, "--out", "{tmp}/a"], "num_layers 3 != 2"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--space", "rope"], "--space must be pre or post"),
