@@ -54,6 +54,13 @@ if [[ " $parts " == *" spotlight "* ]]; then
         $sk eval --task recall --acts "$work/held" --method spotlight --head-top $m --artifact "$spot" --budget 0.02 \
             --dense-layers 0,1 --device cpu --json "$out/recall-spotlight-headtop$m-smollm2-jargon-heldout-cpu.json"
     done
+    # "Ternary queries": the held-out recall with binary queries, and lsh at 64 bits and with ternary queries
+    $sk eval --task recall --acts "$work/held" --method spotlight --query-margin 0 --artifact "$spot" --budget 0.02 \
+        --dense-layers 0,1 --device cpu --json "$out/recall-spotlight-binary-smollm2-jargon-heldout-cpu.json"
+    $sk eval --task recall --acts "$work/held" --method lsh --nbits 64 --budget 0.02 --dense-layers 0,1 --device cpu \
+        --json "$out/recall-lsh-64bit-smollm2-jargon-heldout-cpu.json"
+    $sk eval --task recall --acts "$work/held" --method lsh --query-margin 0.35 --budget 0.02 --dense-layers 0,1 \
+        --device cpu --json "$out/recall-lsh-ternary-smollm2-jargon-heldout-cpu.json"
     $sk eval --task passkey --seq 4096,8192 --n 100 --batch 8 --method dense,oracle,spotlight --artifact "$spot" \
         --budget 0.02 --dense-layers 0,1 --json "$out/passkey-spotlight-smollm2-$tag.json" "$@"
     $sk eval --task ppl --text-file "$work/heldout.txt" --seq 4096 --n 4 --method dense,oracle,spotlight \
