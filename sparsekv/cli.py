@@ -576,13 +576,14 @@ def train_hash(
 ):
     """Train Spotlight Attention's MLP hashes (one per layer and KV head, the paper's ranking loss) on a dump and
     write them as an artifact for `--method spotlight --artifact ...`."""
+    from .methods.base import margin_option
     from .train_hash import fit_hashes
 
     dev = validate.device(device)
     if not 0 < pruning < 1:
         raise SparseKVError(f"--pruning must be in (0, 1), got {pruning}")
-    if query_margin is not None and not 0 <= query_margin < float("inf"):
-        raise SparseKVError(f"--query-margin must be a number >= 0, got {query_margin}")
+    if query_margin is not None:  # before the dump loads
+        margin_option(query_margin, "--query-margin")
     data = _dump(acts, model, dev)
     chosen = _csv(layers, int, "layers")
     with _progress() as progress, _resumable("train-hash"):

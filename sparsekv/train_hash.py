@@ -231,11 +231,11 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     `query_margin`: after training, the held-out IoU of ternary queries at this margin (default: the method's,
     0.35) is measured beside that of binary ones, and the better margin goes into the config, which `spotlight`
     takes as its default (0 compares nothing: binary queries)."""
+    from .methods.base import margin_option
     from .methods.spotlight import Spotlight
 
-    margin = Spotlight.default_query_margin if query_margin is None else query_margin
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
-        raise SparseKVError(f"--query-margin must be a number >= 0, got {query_margin}")
+    margin = margin_option(Spotlight.default_query_margin if query_margin is None else query_margin,
+                           "--query-margin")
     for name, v in (("--bits", nbits), ("--hidden", hidden)):
         if v < 16 or v % 16:
             raise SparseKVError(f"{name} must be a positive multiple of 16, got {v}")
@@ -282,7 +282,7 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     # ternary queries rank better when the hash's small outputs are its unreliable bits: measured, not assumed
     margins = {0.0: float(iou_after.mean())}
     if margin:
-        margins[float(margin)] = float(obj.heads_iou(model, held, margin).mean())
+        margins[margin] = float(obj.heads_iou(model, held, margin).mean())
     config["query_margin"] = max(margins, key=lambda m: (margins[m], -m))
     report["query_margin"] = {"held_out_iou": {str(m): round(v, 4) for m, v in margins.items()},
                               "chosen": config["query_margin"]}

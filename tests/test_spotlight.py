@@ -27,12 +27,12 @@ def matching_bits(q, keys, h, pooling, margin=0.0):
     kb = mlp_hash_reference(keys, *w) > 0
     y = mlp_hash_reference(q, *w)  # [B, Hq, 1, nbits]
     G = q.shape[1] // Hkv
-    same = qb = (y > 0).view(B, Hkv, G, 1, -1) == kb.unsqueeze(2)  # [B, Hkv, G, L, nbits]
+    bit_same = (y > 0).view(B, Hkv, G, 1, -1) == kb.unsqueeze(2)  # [B, Hkv, G, L, nbits]
     if margin:
         care = (y.abs() > margin * y.pow(2).mean(-1, keepdim=True).sqrt()).view(B, Hkv, G, 1, -1)
-        same = -(~qb & care).sum(-1)
+        same = -(~bit_same & care).sum(-1)
     else:
-        same = qb.sum(-1)
+        same = bit_same.sum(-1)
     return (same.sum(2) if pooling == "group" else same.reshape(B, Hkv * G, L)).float()
 
 

@@ -210,6 +210,14 @@ def whole_option(value: Any, least: int, what: str) -> int:
     return value
 
 
+def margin_option(value: Any, what: str) -> float:
+    """A method's non-negative number option `value` (a margin; 0 = off), checked: a finite number >= 0, else
+    SparseKVError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise SparseKVError(f"{what} must be a number >= 0 (0 = off), got {value!r}")
+    return float(value)
+
+
 def write_at(buf: torch.Tensor, pos: int | torch.Tensor, x: torch.Tensor) -> None:
     """Write x [B, H, n, ...] into buf [B, H, L, ...] at positions [pos, pos + n): `pos` an int (every row), or for
     one token (n = 1) a device tensor [B] of per-row positions (a graph-replayed step's write slots)."""

@@ -27,10 +27,9 @@ import torch
 from sparsekv.kernels.reference import PendingHash
 
 from .. import ops
-from ..errors import SparseKVError
 from ..pooling import Pooling
 from ..selection import Selection, code_selection
-from .base import CacheShape, LayerState, Method, whole_option
+from .base import CacheShape, LayerState, Method, margin_option, whole_option
 
 
 @dataclass
@@ -54,10 +53,8 @@ class HashSelect(Method):
                  query_margin: float | None = None, **options: Any):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.head_top = 0 if head_top is None else whole_option(head_top, 0, f"{self.name}: head_top")
-        margin = self.default_query_margin if query_margin is None else query_margin
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
-            raise SparseKVError(f"{self.name}: query_margin must be a number >= 0 (0 = off), got {query_margin!r}")
-        self.query_margin = float(margin)
+        self.query_margin = margin_option(self.default_query_margin if query_margin is None else query_margin,
+                                          f"{self.name}: query_margin")
 
     def new_codes(self, shape: CacheShape) -> torch.Tensor:
         """An empty code buffer: int16 [B, Hkv, max_len, ceil(nbits / 16)], 16 bits a word."""
