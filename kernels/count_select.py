@@ -9,11 +9,11 @@ read in TILEs):
 1. base    one program per row takes the ks-th smallest of S = 1024 values sampled at a stride (ks = k S / n: its
            estimate of the row's k-th smallest value; exact, from a histogram of their top 6 bits and one of the
            low bits in the bin that holds it, `tl.histogram`: a warp ballot per bit) and records the base of a
-           window of 62 values around it (centred; higher when ks is small, as a sample's few smallest overestimate
-           the row's). It also clears the row's window histogram GH. A caller may run this step in a launch of
+           window of 14 or 62 values around it (`sample_plan`: centred; higher when ks is small, as a sample's few
+           smallest overestimate the row's). It also clears the row's window histogram GH. A caller may run this step in a launch of
            its own beside other work (`smallest_k(first=)`: code_topk's head_top forcing step).
-2. window  every program histograms its values into WIN = 64 bins: bin 0 below the base, one bin per value of the
-           window, the last bin above it. It keeps the histogram, cumulated, in PH and adds it to GH with atomics.
+2. window  every program histograms its values into WIN = 16 or 64 bins: bin 0 below the base, one bin per value
+           of the window, the last bin above it (the ballots per value grow with the bins). It keeps the histogram, cumulated, in PH and adds it to GH with atomics.
            This replaces the two full passes of the first design (top 6 bits of every value, then the low bits in
            the bin that holds the k-th), which took 14.1 + 12.3 µs of the 44.0 for 32 x 131071 values on the H100.
 3. emit    every program reads GH: when the k-th smallest lies in the window (bin b, 0 < b < WIN - 1), it is the
@@ -24,7 +24,15 @@ read in TILEs):
            times in every program of the row (32 x 131071 values, every row missing: 1.7 ms instead of 36 µs).
            It writes every value < t and the first k - c_lt values == t (ties to the lower index; the last ones,
            with c_eq, the row's count of t, from the same histograms, when `ties="high"`) at pos = how many are
-           taken before it, so each row's indices come out in ascending index order, as from `topk.topk`.
+           taken before it, so each row's indices come out in ascending index order, as from `topk.topk`. A chunk
+           whose ties at t are all taken or none (every chunk but the one or two where the taken ties begin and
+           end) writes the values below t + 1 or t: one comparison and one scan per value, where ranking the ties
+           costs a second comparison, a wider scan and a dozen more operations per value.
+
+On the H100 (CUDA-graph replay; the int16 distances of 131071 keys of random codes, k 2047, where the sample's 16
+values below the estimate give the narrow window) the narrow window and that emit took this select from 36.8 to
+29.4 µs on 32 rows (2-bit codes per query head, Adamas), from 15.7 to 14.0 on 8 rows of them pooled and from 15.4
+to 13.3 on 8 rows of 1-bit codes pooled (lsh).
 
 On the H100 (CUDA-graph replay, bell-shaped values like code distances) the window made the select faster than
 those two passes on 8-64 rows of 131071 values and 32 rows of 32767, and left 8 rows of 32767 and 32 of 8191
@@ -51,7 +59,9 @@ from .reference import check_ties
 from .topk.launch import rows_and_out, scatter_offsets
 
 COARSE_BITS = 6  # the sample's (and the fallback's) first histogram: the top 6 bits
-WIN = tl.constexpr(64)  # bins of the window histogram: 62 single values around the sampled estimate, and both sides
+WIN_MAX = tl.constexpr(64)  # bins of the window histogram at most: 62 single values around the estimate, and both sides
+WIN_NARROW = 16  # ... when the sample ranks the k-th smallest closely (sample_plan)
+_RANKS_NARROW = 16  # sampled values on the near side of the estimate that a narrow window needs
 _SAMPLE = 1024  # values sampled per row for the window's base
 MAX_BITS = 14  # values < 2^14: int16 storage, <= 256 fine bins
 _P_MAX = 1024  # chunks per row (emit sums over the earlier ones in one vector)
@@ -131,7 +141,7 @@ def _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, r, S: tl.constexp
     """Row r: the ks-th smallest of S values sampled every STRIDE, minus `below` (>= 0): the base of the window
     histogram. Also clears the row's window histogram (the last call's emit is done with it)."""
     r64 = r.to(tl.int64)
-    tl.store(GH + r64 * WIN + tl.arange(0, WIN), tl.zeros([WIN], tl.int32))
+    tl.store(GH + r64 * WIN_MAX + tl.arange(0, WIN_MAX), tl.zeros([WIN_MAX], tl.int32))  # covers any WIN's rows
     pos = tl.arange(0, S) * STRIDE
     est, _ = _kth(D + r64 * stride_d, pos, pos < N, ks, SHIFT, VMAX, NB2)
     base = tl.maximum(est - below, 0)
@@ -141,7 +151,8 @@ def _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, r, S: tl.constexp
 
 
 @triton.jit
-def _window(D, PH, GH, STATE, N, stride_d, r, p, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def _window(D, PH, GH, STATE, N, stride_d, r, p, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+            WIN: tl.constexpr):
     """Chunk p of row r: histogram of the values around the base, WIN bins: bin 0 < base, bin i (1 <= i < WIN - 1)
     = base + i - 1, bin WIN - 1 >= base + WIN - 2."""
     r64 = r.to(tl.int64)
@@ -157,12 +168,14 @@ def _window(D, PH, GH, STATE, N, stride_d, r, p, P, VMAX: tl.constexpr, CHUNK: t
 
 @triton.jit
 def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, high, SHIFT: tl.constexpr,
-          VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+          VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+          WIN: tl.constexpr):
     """Chunk p of row r: the threshold t (the k-th smallest), c_lt (how many values are < t) and c_eq (how many
     == t) from the row's window histogram, and how many values < t and == t lie in the chunks before this one from
     their cumulative histograms (no scan across programs); the indices (+ offset) of the values < t and of k - c_lt
-    of the values == t (the first ones, or the last ones when `high`), in index order. When the k-th smallest fell
-    outside the window, the program finds t and those counts from the row itself (slow, exact)."""
+    of the values == t (the first ones, or the last ones when `high`), in index order (`_emit_below` when the
+    chunk's ties are all taken or none). When the k-th smallest fell outside the window, the program finds t and
+    those counts from the row itself (slow, exact)."""
     r64 = r.to(tl.int64)
     Dr = D + r64 * stride_d
     Or = OUT + r64 * stride_o
@@ -177,6 +190,7 @@ def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, high
         rows = r64 * P + qs
         lt_run = tl.sum(tl.load(PH + rows * WIN + b - 1, mask=before, other=0), 0)
         eq_run = tl.sum(tl.load(PH + rows * WIN + b, mask=before, other=0), 0) - lt_run
+        mine = tl.load(PH + (r64 * P + p) * WIN + b) - tl.load(PH + (r64 * P + p) * WIN + b - 1)
     else:
         thr, c_lt, c_eq = _row_kth(Dr, N, k, SHIFT, VMAX, NB2, TILE)
         lt_run = tl.zeros([], tl.int32)
@@ -187,8 +201,35 @@ def _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, p, P, high
             v = _values(Dr, idx, ok, VMAX)
             lt_run += tl.sum((ok & (v < thr)).to(tl.int32), 0)
             eq_run += tl.sum((ok & (v == thr)).to(tl.int32), 0)
+        mine = tl.full([], -1, tl.int32)  # unknown: the general emit below
     need = k - c_lt
-    _emit_tiles(Dr, Or, N, thr, need, high * (c_eq - need), lt_run, eq_run, offset, p, VMAX, CHUNK, TILE)
+    skip = high * (c_eq - need)  # the ties taken are those of rank [skip, skip + need) in index order
+    # this chunk's ties have ranks [eq_run, eq_run + mine): when all or none of them are taken, emit is "values
+    # below a limit" (thr + 1 or thr), one comparison and one scan per value; only a chunk the taken ties'
+    # boundary crosses (at most one per row per boundary) ranks its ties
+    every = (eq_run >= skip) & (eq_run + mine <= skip + need)
+    none = (eq_run + mine <= skip) | (eq_run >= skip + need)
+    lim = thr + every.to(tl.int32)
+    if (mine >= 0) & (every | none) & (lim > 0) & (lim <= VMAX):
+        _emit_below(Dr, Or, N, lim, lt_run + tl.minimum(tl.maximum(eq_run - skip, 0), need), offset, p, CHUNK, TILE)
+    else:
+        _emit_tiles(Dr, Or, N, thr, need, skip, lt_run, eq_run, offset, p, VMAX, CHUNK, TILE)
+
+
+@triton.jit
+def _emit_below(Dr, Or, N, lim, run, offset, p, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Chunk p: the indices (+ offset) of its values below lim, at run + their rank among them: ascending index
+    order. For 0 < lim <= VMAX a value is below lim exactly when its clamp into [0, VMAX] is, so the values are
+    compared as loaded (int16 stays int16, no clamp)."""
+    for t in range(CHUNK // TILE):
+        idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
+        ok = idx < N
+        v = tl.load(Dr + idx, mask=ok, other=0)
+        take = ok & (v < lim.to(v.dtype))
+        a = take.to(tl.int32)
+        pos = scatter_offsets(run + tl.cumsum(a, 0) - a, take, run)
+        tl.store(Or + pos, (idx + offset).to(tl.int64), mask=take)
+        run += tl.sum(a, 0)
 
 
 @triton.jit
@@ -222,19 +263,21 @@ def _base_kernel(D, GH, STATE, N, ks, below, stride_d, STRIDE, S: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["P"])
-def _window_kernel(D, PH, GH, STATE, N, stride_d, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def _window_kernel(D, PH, GH, STATE, N, stride_d, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                   WIN: tl.constexpr):
     q = tl.program_id(0)
     r = q // P
-    _window(D, PH, GH, STATE, N, stride_d, r, q - r * P, P, VMAX, CHUNK, TILE)
+    _window(D, PH, GH, STATE, N, stride_d, r, q - r * P, P, VMAX, CHUNK, TILE, WIN)
 
 
 @triton.jit(do_not_specialize=["P"])
 def _emit_kernel(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, P, high, SHIFT: tl.constexpr,
-                 VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+                 VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                 WIN: tl.constexpr):
     q = tl.program_id(0)
     r = q // P
     _emit(D, PH, GH, STATE, OUT, N, k, offset, stride_d, stride_o, r, q - r * P, P, high, SHIFT, VMAX, NB2, PP,
-          CHUNK, TILE)
+          CHUNK, TILE, WIN)
 
 
 @triton.jit
@@ -301,25 +344,34 @@ def scratch(device: torch.device, rows: int, p: int) -> dict[str, torch.Tensor]:
     if key not in _SCRATCH:
         i32 = dict(dtype=torch.int32, device=device)
         _SCRATCH[key] = dict(
-            ph=torch.empty(rows, p, WIN.value, **i32),  # per chunk: cumulative window histogram
-            gh=torch.empty(rows, WIN.value, **i32),  # the row's window histogram (cleared by each call's first step)
+            ph=torch.empty(rows, p, WIN_MAX.value, **i32),  # per chunk: cumulative window histogram (WIN used)
+            gh=torch.empty(rows, WIN_MAX.value, **i32),  # the row's window histogram (cleared by each call's first step)
             state=torch.empty(rows, **i32),  # the row's window base
         )
     return _SCRATCH[key]
 
 
-def sample_plan(n: int, k: int) -> tuple[int, int, int, int]:
-    """(S, stride, ks, below): S (a power of two) positions every `stride` values, the rank among the sampled values
-    that estimates the row's k-th smallest (all values are sampled when the row has at most _SAMPLE), and how far
-    below that estimate the window starts: centred, but near its top when ks is small (the sample's few smallest
-    overestimate the row's k-th smallest when k / n is below a few / S) and near its bottom when ks is near the
-    sample's size."""
+def sample_plan(n: int, k: int, win: int | None = None) -> tuple[int, int, int, int, int]:
+    """(S, stride, ks, below, win): S (a power of two) positions every `stride` values, the rank among the sampled
+    values that estimates the row's k-th smallest (all values are sampled when the row has at most _SAMPLE), how far
+    below that estimate the window starts, and the window's bins. Centred, but near its top when ks is small (the
+    sample's few smallest overestimate the row's k-th smallest when k / n is below a few / S) and near its bottom
+    when ks is near the sample's size. The window is narrow (WIN_NARROW bins: the histogram's cost per value grows
+    with its bins) when the estimate is exact (every value sampled) or has _RANKS_NARROW sampled values on either
+    side, and WIN_MAX wide otherwise: on dumped SmolLM2 rows of 16384 keys (Adamas per query head, lsh pooled over
+    its group) no k-th smallest fell outside a narrow window with 16 or more sampled values on either side, while
+    with 8 and 12 below it 10 and 2 of 480 lsh rows did. A miss costs time, never exactness. `win` forces the width
+    (tests)."""
     s = min(_SAMPLE, triton.next_power_of_2(max(n, 1)))
     stride = max(1, n // s)
     m = min(s, triton.cdiv(n, stride))  # sampled positions inside the row
     ks = min(m, max(1, round(k * m / n)))
-    below = WIN.value - 3 if ks < 8 and m < n else 1 if ks > m - 8 and m < n else WIN.value // 2 - 1
-    return s, stride, ks, below
+    if win is None:
+        win = WIN_NARROW if m == n or min(ks, m - ks) >= _RANKS_NARROW else WIN_MAX.value
+    if win not in (WIN_NARROW, WIN_MAX.value):
+        raise ValueError(f"window bins must be {WIN_NARROW} or {WIN_MAX.value}, got {win}")
+    below = win - 3 if ks < 8 and m < n else 1 if ks > m - 8 and m < n else win // 2 - 1
+    return s, stride, ks, below, win
 
 
 def fine_bins(bits: int) -> int:
@@ -345,7 +397,7 @@ class BaseStep(NamedTuple):
 def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0, out: torch.Tensor | None = None,
                ties: str = "low", first: Callable[[BaseStep | None], None] | None = None,
                _chunk: int | None = None, _tile: int | None = None, _num_warps: int | None = None,
-               _force_miss: bool = False, _base_warps: int = 8) -> torch.Tensor:
+               _force_miss: bool = False, _base_warps: int = 8, _win: int | None = None) -> torch.Tensor:
     """Indices (+ offset), int64 [..., k], of the k smallest of integer values [..., n] in [0, max_value] (int16 or
     int32; others are clamped into the range). Exact, ties to the lower index (`ties="high"`: to the higher one),
     ascending index order in each row; no host sync, so it can be captured in a CUDA graph. CUDA or
@@ -374,7 +426,7 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
         _row_kernel[(rows,)](x, o, n, k, offset, x.stride(0), o.stride(0), high, SHIFT=sh, NB2=nb2, **common)
         return out
     t = scratch(values.device, rows, pl["p"])
-    S, stride, ks, below = sample_plan(n, k)
+    S, stride, ks, below, win = sample_plan(n, k, _win)
     grid = (rows * pl["p"],)
     base = BaseStep(rows, (x, t["gh"], t["state"], n, ks, below, x.stride(0), stride),
                     dict(S=S, SHIFT=sh, VMAX=vmax, NB2=nb2, FORCE_MISS=_force_miss), _base_warps)
@@ -382,9 +434,9 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
         first(base)
     else:
         _base_kernel[(rows,)](*base.args, **base.consts, num_warps=base.num_warps)
-    _window_kernel[grid](x, t["ph"], t["gh"], t["state"], n, x.stride(0), pl["p"], **common)
+    _window_kernel[grid](x, t["ph"], t["gh"], t["state"], n, x.stride(0), pl["p"], WIN=win, **common)
     _emit_kernel[grid](x, t["ph"], t["gh"], t["state"], o, n, k, offset, x.stride(0), o.stride(0), pl["p"], high,
-                       SHIFT=sh, NB2=nb2, PP=triton.next_power_of_2(pl["p"]), **common)
+                       SHIFT=sh, NB2=nb2, PP=triton.next_power_of_2(pl["p"]), WIN=win, **common)
     return out
 
 

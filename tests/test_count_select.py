@@ -112,6 +112,39 @@ def test_smallest_k_window_misses():
             assert torch.equal(out.cpu(), smallest_reference(w, k, ties=ties)), (chunk, k, ties)
 
 
+@pytest.mark.parametrize("win", [16, 64])
+@pytest.mark.parametrize("ties", ["low", "high"])
+def test_smallest_k_window_widths_and_tied_chunks(win, ties):
+    """Either window width (sample_plan picks it from how closely the sample ranks the k-th smallest) gives the
+    same indices; rows whose ties at the threshold fill many chunks, so that some chunks take all their ties, some
+    none and one (or two) the boundary, as well as rows of distinct values and rows with negative and too-large
+    values (the clamp)."""
+    g = _gen(11 + win)
+    few = torch.randint(0, 4, (3, 2000), generator=g, dtype=torch.int32)  # ~500 ties per value
+    bell = (torch.randn(2, 2000, generator=g) * 40 + 200).clamp(0, 511).int()
+    wild = torch.randint(-50, 600, (2, 2000), generator=g, dtype=torch.int32)  # clamped into [0, 511]
+    for v, ks in ((few, (1, 300, 700, 1999)), (bell, (5, 100, 1000)), (wild, (10, 900))):
+        for k in ks:
+            for dtype in (torch.int16, torch.int32):
+                out = smallest_k(v.to(dtype).to(DEV), k, 511 if v is not few else 3, ties=ties, _chunk=128,
+                                 _win=win)
+                want = smallest_reference(v.clamp(0, 511 if v is not few else 3), k, ties=ties)
+                assert torch.equal(out.cpu(), want), (k, dtype)
+    with pytest.raises(ValueError, match="window bins must be 16 or 64"):
+        smallest_k(few.to(DEV), 5, 3, _chunk=128, _win=32)
+
+
+def test_sample_plan_window_width():
+    """A narrow window when the estimate is exact (every value sampled) or has 16 sampled values on both sides."""
+    from sparsekv.kernels.count_select import sample_plan
+
+    assert sample_plan(1000, 3)[4] == 16  # every value sampled
+    assert sample_plan(131071, 2047)[4] == 16  # 16 sampled values at or below the estimate
+    assert sample_plan(131071, 1500)[4] == 64
+    assert sample_plan(131071, 131071 - 1500)[4] == 64  # few above it
+    assert sample_plan(16384, 256)[4] == 16 and sample_plan(16384, 200)[4] == 64
+
+
 def test_smallest_k_rejects_bad_input():
     v = torch.zeros(2, 10, dtype=torch.int32)
     with pytest.raises(ValueError, match="int16 or int32"):

@@ -70,8 +70,9 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
         kw = torch.randint(-32768, 32767, (1, 1, 500, 8), generator=g, dtype=torch.int32).to(torch.int16)
         code_topk(qw, kw, 500, 128, 60, 1, pool="sum", head_top=3, ties="high", _chunk=128)
         code_topk(torch.cat([qw, qw], -1), kw, 500, 128, 60, 1, pool="sum", head_top=3, _chunk=128)  # ternary
-        smallest_k(torch.randint(0, 300, (2, 700), generator=g, dtype=torch.int32).to(torch.int16), 50, 300,
-                   _chunk=128)
+        for win in (16, 64):  # the window histogram's two widths (count_select.sample_plan)
+            smallest_k(torch.randint(0, 300, (2, 700), generator=g, dtype=torch.int32).to(torch.int16), 50, 300,
+                       _chunk=128, _win=win)
         # Adamas' codes at head dim 128 (16 words a key: the GPU's int64 lanes, below), per query head and pooled
         qw = torch.randint(-32768, 32767, (1, 4, 16), generator=g, dtype=torch.int32).to(torch.int16)
         kw = torch.randint(-32768, 32767, (1, 1, 300, 16), generator=g, dtype=torch.int32).to(torch.int16)
