@@ -62,7 +62,9 @@ COARSE_BITS = 6  # the sample's (and the fallback's) first histogram: the top 6 
 WIN_MAX = tl.constexpr(64)  # bins of the window histogram at most: 62 single values around the estimate, and both sides
 WIN_NARROW = 16  # ... when the sample ranks the k-th smallest closely (sample_plan)
 _RANKS_NARROW = 16  # sampled values on the near side of the estimate that a narrow window needs
-_SAMPLE = 1024  # values sampled per row for the window's base
+_RANKS_FEW = 8  # fewer sampled values below the estimate than this: a larger sample
+_SAMPLE = 1024  # values sampled per row for the window's base, at least ...
+_SAMPLE_MAX = 16384  # ... and at most: more when k / n is small, so that ~_RANKS_NARROW samples lie below the k-th
 MAX_BITS = 14  # values < 2^14: int16 storage, <= 256 fine bins
 _P_MAX = 1024  # chunks per row (emit sums over the earlier ones in one vector)
 _TILE = 2048  # values per tile
@@ -353,21 +355,29 @@ def scratch(device: torch.device, rows: int, p: int) -> dict[str, torch.Tensor]:
 
 def sample_plan(n: int, k: int, win: int | None = None) -> tuple[int, int, int, int, int]:
     """(S, stride, ks, below, win): S (a power of two) positions every `stride` values, the rank among the sampled
-    values that estimates the row's k-th smallest (all values are sampled when the row has at most _SAMPLE), how far
+    values that estimates the row's k-th smallest (all values are sampled when the row has at most S), how far
     below that estimate the window starts, and the window's bins. Centred, but near its top when ks is small (the
     sample's few smallest overestimate the row's k-th smallest when k / n is below a few / S) and near its bottom
     when ks is near the sample's size. The window is narrow (WIN_NARROW bins: the histogram's cost per value grows
-    with its bins) when the estimate is exact (every value sampled) or has _RANKS_NARROW sampled values on either
-    side, and WIN_MAX wide otherwise: on dumped SmolLM2 rows of 16384 keys (Adamas per query head, lsh pooled over
-    its group) no k-th smallest fell outside a narrow window with 16 or more sampled values on either side, while
-    with 8 and 12 below it 10 and 2 of 480 lsh rows did. A miss costs time, never exactness. `win` forces the width
-    (tests)."""
-    s = min(_SAMPLE, triton.next_power_of_2(max(n, 1)))
+    with its bins) when the estimate is exact (every value sampled) or when _SAMPLE values put _RANKS_NARROW of them
+    on either side, and WIN_MAX wide otherwise, with more samples when fewer than _RANKS_FEW of 1024 would lie below
+    the estimate. A miss costs time (every program of the row reads it whole), never exactness. On dumped SmolLM2
+    rows of 16384 keys (Adamas per query head, 1440 rows; lsh pooled over its group, 480), k from 8 to 16084, no
+    k-th smallest fell outside the window this plan places. With 1024 samples throughout, lsh rows missed at k 32
+    (364 of 480, even with the wide window), and the narrow window at 8 and 12 samples below the estimate (10 and 2
+    of 480) and at k 128 with 32 of 4096 samples (3). On the H100, 8 rows of 262144 random 1-bit code distances
+    pooled over 4 heads, k 256: 1233 µs with 1024 samples (rows missed), 30 µs with 16384 (graph replay)."""
+    # when _SAMPLE values would put fewer than _RANKS_FEW below the k-th smallest, enough for 2 * _RANKS_NARROW: with
+    # so few the estimate strays further than even the wide window reaches, and a miss reads whole rows
+    s = _SAMPLE
+    if round(k * _SAMPLE / max(n, 1)) < _RANKS_FEW:
+        s = triton.next_power_of_2(triton.cdiv(2 * _RANKS_NARROW * n, max(k, 1)))
+    s = min(s, _SAMPLE_MAX, triton.next_power_of_2(max(n, 1)))
     stride = max(1, n // s)
     m = min(s, triton.cdiv(n, stride))  # sampled positions inside the row
     ks = min(m, max(1, round(k * m / n)))
-    if win is None:
-        win = WIN_NARROW if m == n or min(ks, m - ks) >= _RANKS_NARROW else WIN_MAX.value
+    if win is None:  # narrow when exact, or in the bulk of the values (not a far tail, where they lie sparse)
+        win = WIN_NARROW if m == n or (s == _SAMPLE and min(ks, m - ks) >= _RANKS_NARROW) else WIN_MAX.value
     if win not in (WIN_NARROW, WIN_MAX.value):
         raise ValueError(f"window bins must be {WIN_NARROW} or {WIN_MAX.value}, got {win}")
     below = win - 3 if ks < 8 and m < n else 1 if ks > m - 8 and m < n else win // 2 - 1

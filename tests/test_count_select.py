@@ -134,15 +134,30 @@ def test_smallest_k_window_widths_and_tied_chunks(win, ties):
         smallest_k(few.to(DEV), 5, 3, _chunk=128, _win=32)
 
 
-def test_sample_plan_window_width():
-    """A narrow window when the estimate is exact (every value sampled) or has 16 sampled values on both sides."""
+def test_smallest_k_small_k_samples_more():
+    """k / n small: the plan samples more values (8192 of 20000 here), and the indices stay exact."""
     from sparsekv.kernels.count_select import sample_plan
 
-    assert sample_plan(1000, 3)[4] == 16  # every value sampled
-    assert sample_plan(131071, 2047)[4] == 16  # 16 sampled values at or below the estimate
-    assert sample_plan(131071, 1500)[4] == 64
-    assert sample_plan(131071, 131071 - 1500)[4] == 64  # few above it
-    assert sample_plan(16384, 256)[4] == 16 and sample_plan(16384, 200)[4] == 64
+    assert sample_plan(20000, 100)[:2] == (8192, 2)
+    v = (torch.randn(2, 20000, generator=_gen(12)) * 30 + 150).clamp(0, 511).int()
+    for ties in ("low", "high"):
+        out = smallest_k(v.to(torch.int16).to(DEV), 100, 511, ties=ties, _chunk=1024)
+        assert torch.equal(out.cpu(), smallest_reference(v, 100, ties=ties))
+
+
+def test_sample_plan_window_width():
+    """A narrow window when the estimate is exact (every value sampled) or when 1024 samples put 16 on both sides of
+    it; a wide one otherwise, and more samples when k / n is small (S, stride, ks, below, win)."""
+    from sparsekv.kernels.count_select import sample_plan
+
+    assert sample_plan(1000, 3) == (1024, 1, 3, 7, 16)  # every value sampled: exact
+    assert sample_plan(131071, 2047) == (1024, 127, 16, 7, 16)  # 16 of 1024 samples at or below the estimate
+    assert sample_plan(131071, 1500) == (1024, 127, 12, 31, 64)  # a tail: the wide window
+    assert sample_plan(131071, 800) == (8192, 15, 50, 31, 64)  # further out: more samples
+    assert sample_plan(131071, 131071 - 1500)[4] == 64  # few above the estimate
+    assert sample_plan(1 << 20, 64)[:3] == (16384, 64, 1)  # at most 16384 samples
+    assert sample_plan(16384, 256)[4] == 16 and sample_plan(16384, 200)[:5:4] == (1024, 64)
+    assert sample_plan(16384, 8)[:3] == (16384, 1, 8)  # every value sampled
 
 
 def test_smallest_k_rejects_bad_input():
