@@ -365,8 +365,9 @@ def sample_plan(n: int, k: int, win: int | None = None) -> tuple[int, int, int, 
     rows of 16384 keys (Adamas per query head, 1440 rows; lsh pooled over its group, 480), k from 8 to 16084, no
     k-th smallest fell outside the window this plan places. With 1024 samples throughout, lsh rows missed at k 32
     (364 of 480, even with the wide window), and the narrow window at 8 and 12 samples below the estimate (10 and 2
-    of 480) and at k 128 with 32 of 4096 samples (3). On the H100, 8 rows of 262144 random 1-bit code distances
-    pooled over 4 heads, k 256: 1233 µs with 1024 samples (rows missed), 30 µs with 16384 (graph replay)."""
+    of 480) and at k 128 with 32 of 4096 samples (3). One layer's lsh step at 262144 keys, budget 256 (`sparsekv
+    bench`, H100; BENCHMARKS.md, "The counting select's narrow window and chunk emit"): 1242.7 µs with 1024 samples
+    (rows missed), 75.2 with 16384."""
     # when _SAMPLE values would put fewer than _RANKS_FEW below the k-th smallest, enough for 2 * _RANKS_NARROW: with
     # so few the estimate strays further than even the wide window reaches, and a miss reads whole rows
     s = _SAMPLE
