@@ -6,14 +6,16 @@ what sends the float top-k's sampled bound to its fallback (`topk.py`). Counting
 launches (`plan`: rows x P programs for the last two, two or more per multiprocessor, each owning a CHUNK of one row,
 read in TILEs):
 
-1. base    one program per row takes the ks-th smallest of S = 1024 values sampled at a stride (ks = k S / n: its
-           estimate of the row's k-th smallest value; exact, from a histogram of their top 6 bits and one of the
-           low bits in the bin that holds it, `tl.histogram`: a warp ballot per bit) and records the base of a
-           window of 14 or 62 values around it (`sample_plan`: centred; higher when ks is small, as a sample's few
-           smallest overestimate the row's). It also clears the row's window histogram GH. A caller may run this step in a launch of
-           its own beside other work (`smallest_k(first=)`: code_topk's head_top forcing step).
+1. base    one program per row takes the ks-th smallest of S values sampled at a stride (S = 1024, up to 16384 when
+           k / n is small; ks = k S / n: its estimate of the row's k-th smallest value; exact, from a histogram of
+           their top 6 bits and one of the low bits in the bin that holds it, `tl.histogram`: a warp ballot per
+           bit) and records the base of a window of 14 or 62 values around it (`sample_plan`: centred; higher when
+           ks is small, as a sample's few smallest overestimate the row's). It also clears the row's window
+           histogram GH. A caller may run this step in a launch of its own beside other work
+           (`smallest_k(first=)`: code_topk's head_top forcing step).
 2. window  every program histograms its values into WIN = 16 or 64 bins: bin 0 below the base, one bin per value
-           of the window, the last bin above it (the ballots per value grow with the bins). It keeps the histogram, cumulated, in PH and adds it to GH with atomics.
+           of the window, the last bin above it (the ballots per value grow with the bins). It keeps the
+           histogram, cumulated, in PH and adds it to GH with atomics.
            This replaces the two full passes of the first design (top 6 bits of every value, then the low bits in
            the bin that holds the k-th), which took 14.1 + 12.3 µs of the 44.0 for 32 x 131071 values on the H100.
 3. emit    every program reads GH: when the k-th smallest lies in the window (bin b, 0 < b < WIN - 1), it is the
@@ -41,8 +43,9 @@ unchanged. The base launch costs a few µs whatever the size (one program per ro
 No program waits for another: each step reads what the previous launch left. GH is cleared by the next call's first
 step, so there is no memset and no host sync and a call can be captured in a CUDA graph. Rows of one chunk (eager
 calls on rows of at most 16384, `plan`) take one launch instead, one program per row, which finds the row's exact
-k-th smallest from two histograms of its own values (no sample, no scratch) and emits. Scratch is cached per (device, rows, chunks); calls that share it must be ordered
-(one stream or one graph). Values outside [0, 2^NBITS) are clamped into it.
+k-th smallest from two histograms of its own values (no sample, no scratch) and emits. Scratch is cached per
+(device, rows, chunks); calls that share it must be ordered (one stream or one graph). Values outside [0, 2^NBITS)
+are clamped into it.
 Reference: the k smallest by (value, index), e.g. `tests/test_count_select.py::smallest_reference`.
 """
 
@@ -64,7 +67,7 @@ WIN_NARROW = 16  # ... when the sample ranks the k-th smallest closely (sample_p
 _RANKS_NARROW = 16  # sampled values on the near side of the estimate that a narrow window needs
 _RANKS_FEW = 8  # fewer sampled values below the estimate than this: a larger sample
 _SAMPLE = 1024  # values sampled per row for the window's base, at least ...
-_SAMPLE_MAX = 16384  # ... and at most: more when k / n is small, so that ~_RANKS_NARROW samples lie below the k-th
+_SAMPLE_MAX = 16384  # ... and at most (more when k / n is small: sample_plan)
 MAX_BITS = 14  # values < 2^14: int16 storage, <= 256 fine bins
 _P_MAX = 1024  # chunks per row (emit sums over the earlier ones in one vector)
 _TILE = 2048  # values per tile
@@ -347,7 +350,7 @@ def scratch(device: torch.device, rows: int, p: int) -> dict[str, torch.Tensor]:
         i32 = dict(dtype=torch.int32, device=device)
         _SCRATCH[key] = dict(
             ph=torch.empty(rows, p, WIN_MAX.value, **i32),  # per chunk: cumulative window histogram (WIN used)
-            gh=torch.empty(rows, WIN_MAX.value, **i32),  # the row's window histogram (cleared by each call's first step)
+            gh=torch.empty(rows, WIN_MAX.value, **i32),  # the row's window histogram (each call's first step clears it)
             state=torch.empty(rows, **i32),  # the row's window base
         )
     return _SCRATCH[key]
@@ -363,11 +366,11 @@ def sample_plan(n: int, k: int, win: int | None = None) -> tuple[int, int, int, 
     on either side, and WIN_MAX wide otherwise, with more samples when fewer than _RANKS_FEW of 1024 would lie below
     the estimate. A miss costs time (every program of the row reads it whole), never exactness. On dumped SmolLM2
     rows of 16384 keys (Adamas per query head, 1440 rows; lsh pooled over its group, 480), k from 8 to 16084, no
-    k-th smallest fell outside the window this plan places. With 1024 samples throughout, lsh rows missed at k 32
-    (364 of 480, even with the wide window), and the narrow window at 8 and 12 samples below the estimate (10 and 2
-    of 480) and at k 128 with 32 of 4096 samples (3). One layer's lsh step at 262144 keys, budget 256 (`sparsekv
-    bench`, H100; BENCHMARKS.md, "The counting select's narrow window and chunk emit"): 1242.7 µs with 1024 samples
-    (rows missed), 75.2 with 16384."""
+    k-th smallest fell outside the window this plan places. Other plans missed on lsh rows: 1024 samples at k 32
+    (364 of 480 rows, even with the wide window), the narrow window with 8 and 12 of 1024 samples below the
+    estimate (10 and 2 of 480), and with 32 of 4096 at k 128 (3). One layer's lsh step at 262144 keys, budget 256
+    (`sparsekv bench`, H100; BENCHMARKS.md, "The counting select's narrow window and chunk emit"): 1242.7 µs with
+    1024 samples (rows missed), 75.2 with 16384."""
     # when _SAMPLE values would put fewer than _RANKS_FEW below the k-th smallest, enough for 2 * _RANKS_NARROW: with
     # so few the estimate strays further than even the wide window reaches, and a miss reads whole rows
     s = _SAMPLE
