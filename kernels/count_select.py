@@ -370,7 +370,8 @@ def sample_plan(n: int, k: int, win: int | None = None) -> tuple[int, int, int, 
     (364 of 480 rows, even with the wide window), the narrow window with 8 and 12 of 1024 samples below the
     estimate (10 and 2 of 480), and with 32 of 4096 at k 128 (3). One layer's lsh step at 262144 keys, budget 256
     (`sparsekv bench`, H100; BENCHMARKS.md, "The counting select's narrow window and chunk emit"): 1242.7 µs with
-    1024 samples (rows missed), 75.2 with 16384."""
+    1024 samples (rows missed), 75.2 with 16384. S and the width are compiled into the base and window steps: a
+    generation whose k / n falls into another plan compiles those once more."""
     # when _SAMPLE values would put fewer than _RANKS_FEW below the k-th smallest, enough for 2 * _RANKS_NARROW: with
     # so few the estimate strays further than even the wide window reaches, and a miss reads whole rows
     s = _SAMPLE
