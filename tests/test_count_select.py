@@ -117,8 +117,8 @@ def test_smallest_k_window_misses():
 def test_smallest_k_window_widths_and_tied_chunks(win, ties):
     """Either window width (sample_plan picks it from how closely the sample ranks the k-th smallest) gives the
     same indices; rows whose ties at the threshold fill many chunks, so that some chunks take all their ties, some
-    none and one (or two) the boundary, as well as rows of distinct values and rows with negative and too-large
-    values (the clamp)."""
+    none and one (or two) the boundary, as well as rows spread over hundreds of values and rows with negative and
+    too-large values (the clamp)."""
     g = _gen(11 + win)
     few = torch.randint(0, 4, (2, 640), generator=g, dtype=torch.int32)  # ~160 ties per value over 10 chunks
     bell = (torch.randn(1, 640, generator=g) * 40 + 200).clamp(0, 511).int()
