@@ -33,8 +33,9 @@ read in TILEs):
 
 On the H100 (CUDA-graph replay; the int16 distances of 131071 keys of random codes, k 2047, where the sample's 16
 values below the estimate give the narrow window) the narrow window and that emit took this select from 36.8 to
-29.4 µs on 32 rows (2-bit codes per query head, Adamas), from 15.7 to 14.0 on 8 rows of them pooled and from 15.4
-to 13.3 on 8 rows of 1-bit codes pooled (lsh).
+29.4 µs on 32 rows (2-bit codes per query head, Adamas) and from 15.4 to 13.3 on 8 rows of 1-bit codes pooled
+(lsh); on 8 rows of the 2-bit codes pooled (values up to 1536: the wide window, `sample_plan`) the emit alone took it
+from 15.7 to 15.1.
 
 On the H100 (CUDA-graph replay, bell-shaped values like code distances) the window made the select faster than
 those two passes on 8-64 rows of 131071 values and 32 rows of 32767, and left 8 rows of 32767 and 32 of 8191
@@ -66,6 +67,7 @@ WIN_MAX = tl.constexpr(64)  # bins of the window histogram at most: 62 single va
 WIN_NARROW = 16  # ... when the sample ranks the k-th smallest closely (sample_plan)
 _RANKS_NARROW = 16  # sampled values on the near side of the estimate that a narrow window needs
 _RANKS_FEW = 8  # fewer sampled values below the estimate than this: a larger sample
+_NARROW_BITS = 10  # the narrow window only for values below 2^10 (wider ranges spread them thinner)
 _SAMPLE = 1024  # values sampled per row for the window's base, at least ...
 _SAMPLE_MAX = 16384  # ... and at most (more when k / n is small: sample_plan)
 MAX_BITS = 14  # values < 2^14: int16 storage, <= 256 fine bins
@@ -356,15 +358,17 @@ def scratch(device: torch.device, rows: int, p: int) -> dict[str, torch.Tensor]:
     return _SCRATCH[key]
 
 
-def sample_plan(n: int, k: int, win: int | None = None) -> tuple[int, int, int, int, int]:
+def sample_plan(n: int, k: int, bits: int = 1, win: int | None = None) -> tuple[int, int, int, int, int]:
     """(S, stride, ks, below, win): S (a power of two) positions every `stride` values, the rank among the sampled
     values that estimates the row's k-th smallest (all values are sampled when the row has at most S), how far
     below that estimate the window starts, and the window's bins. Centred, but near its top when ks is small (the
     sample's few smallest overestimate the row's k-th smallest when k / n is below a few / S) and near its bottom
     when ks is near the sample's size. The window is narrow (WIN_NARROW bins: the histogram's cost per value grows
     with its bins) when the estimate is exact (every value sampled) or when _SAMPLE values put _RANKS_NARROW of them
-    on either side, and WIN_MAX wide otherwise, with more samples when fewer than _RANKS_FEW of 1024 would lie below
-    the estimate. A miss costs time (every program of the row reads it whole), never exactness. On dumped SmolLM2
+    on either side and the values (of `bits` bits) lie below 2^_NARROW_BITS, and WIN_MAX wide otherwise, with more
+    samples when fewer than _RANKS_FEW of 1024 would lie below the estimate. The bound on the values is caution: a
+    wider range (Adamas' distances summed over a group of 4 reach 1536) can spread the values near the k-th
+    smallest thinner than the rows measured below. A miss costs time (every program of the row reads it whole), never exactness. On dumped SmolLM2
     rows of 16384 keys (Adamas per query head, 1440 rows; lsh pooled over its group, 480), k from 8 to 16084, no
     k-th smallest fell outside the window this plan places. Other plans missed on lsh rows: 1024 samples at k 32
     (364 of 480 rows, even with the wide window), the narrow window with 8 and 12 of 1024 samples below the
@@ -382,7 +386,8 @@ def sample_plan(n: int, k: int, win: int | None = None) -> tuple[int, int, int, 
     m = min(s, triton.cdiv(n, stride))  # sampled positions inside the row
     ks = min(m, max(1, round(k * m / n)))
     if win is None:  # narrow when exact, or in the bulk of the values (not a far tail, where they lie sparse)
-        win = WIN_NARROW if m == n or (s == _SAMPLE and min(ks, m - ks) >= _RANKS_NARROW) else WIN_MAX.value
+        close = s == _SAMPLE and min(ks, m - ks) >= _RANKS_NARROW and bits <= _NARROW_BITS
+        win = WIN_NARROW if m == n or close else WIN_MAX.value
     if win not in (WIN_NARROW, WIN_MAX.value):
         raise ValueError(f"window bins must be {WIN_NARROW} or {WIN_MAX.value}, got {win}")
     below = win - 3 if ks < 8 and m < n else 1 if ks > m - 8 and m < n else win // 2 - 1
@@ -441,7 +446,7 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
         _row_kernel[(rows,)](x, o, n, k, offset, x.stride(0), o.stride(0), high, SHIFT=sh, NB2=nb2, **common)
         return out
     t = scratch(values.device, rows, pl["p"])
-    S, stride, ks, below, win = sample_plan(n, k, _win)
+    S, stride, ks, below, win = sample_plan(n, k, bits, _win)
     grid = (rows * pl["p"],)
     base = BaseStep(rows, (x, t["gh"], t["state"], n, ks, below, x.stride(0), stride),
                     dict(S=S, SHIFT=sh, VMAX=vmax, NB2=nb2, FORCE_MISS=_force_miss), _base_warps)

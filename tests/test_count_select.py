@@ -137,7 +137,7 @@ def test_smallest_k_small_k_samples_more():
     """k / n small: the plan samples more values (8192 of 12000 here), and the indices stay exact."""
     from sparsekv.kernels.count_select import sample_plan
 
-    assert sample_plan(12000, 60)[:2] == (8192, 1)
+    assert sample_plan(12000, 60, 9)[:2] == (8192, 1)
     v = (torch.randn(1, 12000, generator=_gen(12)) * 30 + 150).clamp(0, 511).int()
     for ties in ("low", "high"):
         out = smallest_k(v.to(torch.int16).to(DEV), 60, 511, ties=ties, _chunk=1024)
@@ -146,19 +146,21 @@ def test_smallest_k_small_k_samples_more():
 
 def test_sample_plan_window_width():
     """A narrow window when the estimate is exact (every value sampled) or when 1024 samples put 16 on both sides of
-    it; a wide one otherwise, and more samples when k / n is small (S, stride, ks, below, win)."""
+    it and the values are below 2^10; a wide one otherwise, and more samples when k / n is small (S, stride, ks,
+    below, win)."""
     from sparsekv.kernels.count_select import sample_plan
 
-    assert sample_plan(1000, 3) == (1024, 1, 3, 7, 16)  # every value sampled: exact
-    assert sample_plan(131071, 2047) == (1024, 127, 16, 7, 16)  # 16 of 1024 samples at or below the estimate
-    assert sample_plan(131071, 1500) == (1024, 127, 12, 31, 64)  # a tail: the wide window
-    assert sample_plan(131071, 800) == (8192, 15, 50, 31, 64)  # further out: more samples
-    assert sample_plan(131071, 131071 - 1500)[4] == 64  # few above the estimate
-    assert sample_plan(1 << 20, 64)[:3] == (16384, 64, 1)  # at most 16384 samples
-    assert sample_plan(16384, 256)[4] == 16
-    plan = sample_plan(16384, 200)
+    assert sample_plan(1000, 3, 11) == (1024, 1, 3, 7, 16)  # every value sampled: exact
+    assert sample_plan(131071, 2047, 9) == (1024, 127, 16, 7, 16)  # 16 of 1024 samples at or below the estimate
+    assert sample_plan(131071, 2047, 11)[4] == 64  # values up to 2047: the wide window
+    assert sample_plan(131071, 1500, 9) == (1024, 127, 12, 31, 64)  # a tail: the wide window
+    assert sample_plan(131071, 800, 9) == (8192, 15, 50, 31, 64)  # further out: more samples
+    assert sample_plan(131071, 131071 - 1500, 9)[4] == 64  # few above the estimate
+    assert sample_plan(1 << 20, 64, 9)[:3] == (16384, 64, 1)  # at most 16384 samples
+    assert sample_plan(16384, 256, 10)[4] == 16
+    plan = sample_plan(16384, 200, 10)
     assert (plan[0], plan[4]) == (1024, 64)
-    assert sample_plan(16384, 8)[:3] == (16384, 1, 8)  # every value sampled
+    assert sample_plan(16384, 8, 9)[:3] == (16384, 1, 8)  # every value sampled
 
 
 def test_smallest_k_rejects_bad_input():
