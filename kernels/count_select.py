@@ -360,22 +360,23 @@ def scratch(device: torch.device, rows: int, p: int) -> dict[str, torch.Tensor]:
 
 def sample_plan(n: int, k: int, bits: int = 1, win: int | None = None) -> tuple[int, int, int, int, int]:
     """(S, stride, ks, below, win): S (a power of two) positions every `stride` values, the rank among the sampled
-    values that estimates the row's k-th smallest (all values are sampled when the row has at most S), how far
-    below that estimate the window starts, and the window's bins. Centred, but near its top when ks is small (the
-    sample's few smallest overestimate the row's k-th smallest when k / n is below a few / S) and near its bottom
-    when ks is near the sample's size. The window is narrow (WIN_NARROW bins: the histogram's cost per value grows
-    with its bins) when the estimate is exact (every value sampled) or when _SAMPLE values put _RANKS_NARROW of them
-    on either side and the values (of `bits` bits) lie below 2^_NARROW_BITS, and WIN_MAX wide otherwise, with more
+    values that estimates the row's k-th smallest (all values are sampled when the row has at most S), how far below
+    that estimate the window starts, and the window's bins. Centred, but near its top when ks is small (the sample's
+    few smallest overestimate the row's k-th smallest when k / n is below a few / S) and near its bottom when ks is
+    near the sample's size. The window is narrow (WIN_NARROW bins: the histogram's cost per value grows with its
+    bins) when the estimate is exact (every value sampled) or when _SAMPLE values put _RANKS_NARROW of them on
+    either side and the values (of `bits` bits) lie below 2^_NARROW_BITS, and WIN_MAX wide otherwise, with more
     samples when fewer than _RANKS_FEW of 1024 would lie below the estimate. The bound on the values is caution: a
-    wider range (Adamas' distances summed over a group of 4 reach 1536) can spread the values near the k-th
-    smallest thinner than the rows measured below. A miss costs time (every program of the row reads it whole), never exactness. On dumped SmolLM2
-    rows of 16384 keys (Adamas per query head, 1440 rows; lsh pooled over its group, 480), k from 8 to 16084, no
-    k-th smallest fell outside the window this plan places. Other plans missed on lsh rows: 1024 samples at k 32
-    (364 of 480 rows, even with the wide window), the narrow window with 8 and 12 of 1024 samples below the
-    estimate (10 and 2 of 480), and with 32 of 4096 at k 128 (3). One layer's lsh step at 262144 keys, budget 256
-    (`sparsekv bench`, H100; BENCHMARKS.md, "The counting select's narrow window and chunk emit"): 1242.7 µs with
-    1024 samples (rows missed), 75.2 with 16384. S and the width are compiled into the base and window steps: a
-    generation whose k / n falls into another plan compiles those once more."""
+    wider range (Adamas' distances summed over a group of 4 reach 1536) can spread the values near the k-th smallest
+    thinner than the rows measured below. A miss costs time (every program of the row reads it whole), never
+    exactness. On dumped SmolLM2 rows of 16384 keys (Adamas per query head, 1440 rows; lsh pooled over its group,
+    480), k from 8 to 16084, no k-th smallest fell outside the window this plan places. Other plans missed on lsh
+    rows: 1024 samples at k 32 (364 of 480 rows, even with the wide window), the narrow window with 8 and 12 of 1024
+    samples below the estimate (10 and 2 of 480), and with 32 of 4096 at k 128 (3). One layer's lsh step at 262144
+    keys, budget 256 (`sparsekv bench`, H100; BENCHMARKS.md, "The counting select's narrow window and chunk emit"):
+    1242.7 µs with 1024 samples (rows missed), 75.2 with 16384. S and the width are compiled into the base and
+    window steps: a generation whose k / n falls into another plan compiles those once more. `bits`: the values'
+    (value_bits of smallest_k's max_value); `win` forces the width (tests)."""
     # when _SAMPLE values would put fewer than _RANKS_FEW below the k-th smallest, enough for 2 * _RANKS_NARROW: with
     # so few the estimate strays further than even the wide window reaches, and a miss reads whole rows
     s = _SAMPLE
