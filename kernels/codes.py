@@ -640,7 +640,10 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     Hkv = _kv_heads(Hq, k_words, length)
     G = Hq // Hkv
     H_out = Hkv if pool is not None else Hq
-    out = torch.empty(B, H_out, length, dtype=out_dtype, device=q_words.device)
+    if out_dtype == torch.int16:  # code_topk's: rows the counting select loads in 16-byte vectors
+        out = count_select.padded_rows((B, H_out, length), out_dtype, q_words.device)
+    else:
+        out = torch.empty(B, H_out, length, dtype=out_dtype, device=q_words.device)
     if length == 0 or B == 0:
         return out, None
     if q_words.stride(-1) != 1:

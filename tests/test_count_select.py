@@ -163,6 +163,29 @@ def test_sample_plan_window_width():
     assert sample_plan(16384, 8, 9)[:3] == (16384, 1, 8)  # every value sampled
 
 
+def test_smallest_k_padded_rows_read_whole_and_count_only_the_row():
+    """Rows padded to count_select.ALIGN values (code_topk's distances) are loaded whole, past n: the padding's
+    values (zeros here, smaller than any real one) are never counted nor chosen, on every path (window, the
+    chunk emit, a forced miss, the one-launch row kernel). `readable` pads only rows whose stride and storage hold
+    the padding."""
+    from sparsekv.kernels.count_select import ALIGN, padded_rows, readable
+
+    n = 300
+    v = (torch.randn(3, n, generator=_gen(13)) * 30 + 150).clamp(1, 511).int()
+    buf = padded_rows((3, n), torch.int16, torch.device(DEV))
+    assert buf.stride(0) == 320 and readable(buf) == 320
+    buf.as_strided((3, 320), (320, 1)).zero_()
+    buf.copy_(v)
+    for k, ties, chunk, miss in ((40, "low", 64, False), (40, "high", 64, True), (299, "low", 128, False),
+                                 (7, "high", 512, False)):
+        out = smallest_k(buf, k, 511, ties=ties, _chunk=chunk, _force_miss=miss)
+        assert torch.equal(out.cpu(), smallest_reference(v, k, ties=ties)), (k, ties, chunk, miss)
+    assert readable(v.to(torch.int16)) == n  # contiguous rows of 300: no room past the last one
+    whole = torch.zeros(3, ALIGN * 5, dtype=torch.int16)
+    assert readable(whole[:, :n]) == 320 and readable(whole[:, 20:]) == n  # the last row's padding: past the end
+    assert readable(whole[:, :n].t().contiguous().t()) == n  # rows not contiguous
+
+
 def test_smallest_k_rejects_bad_input():
     v = torch.zeros(2, 10, dtype=torch.int32)
     with pytest.raises(ValueError, match="int16 or int32"):
