@@ -406,9 +406,10 @@ def sample_plan(n: int, k: int, bits: int, win: int | None = None) -> tuple[int,
 
 def readable(x: torch.Tensor) -> int:
     """How many values of each row [rows, n] the kernels may load: n rounded up to a multiple of ALIGN when the
-    rows' stride and storage hold that many, else n. The values past n are loaded and never counted: with every
-    row's start and load bound a multiple of ALIGN values, Triton loads 16-byte vectors and scans in-thread (the
-    emit step's tile: 568 instructions instead of 824, sm_90); with an odd row length it loads value by value."""
+    rows' stride and storage hold that many, else n. The values past n are loaded and never counted. When the rows
+    also start on ALIGN boundaries (padded_rows), every row's start and load bound are multiples of ALIGN values and
+    Triton loads 16-byte vectors and scans in-thread (the emit step's tile: 568 instructions instead of 824, sm_90);
+    with an odd row length it loads value by value."""
     rows, n = x.shape
     padded = triton.cdiv(n, ALIGN) * ALIGN
     room = x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()
