@@ -45,7 +45,8 @@ Rows whose stride and storage reach past n to a multiple of ALIGN = 64 values (c
 `padded_rows`) are loaded up to there (`readable`), the values past n never counted: with an odd row length (131071
 keys) Triton loads value by value and scans 16 strided values per thread with shuffles; padded, it loads 16-byte
 vectors and scans in-thread. On the H200, 32 rows of 131071 (Adamas per query head): emit 14.5 -> 11.7 µs, the
-select 27.8 -> 25.0; 8 rows (lsh pooled): 13.4 -> 12.8.
+select 27.8 -> 25.0; 8 rows of 2-bit codes summed over groups of 4: 13.3 -> 12.9 (BENCHMARKS.md, "Distance rows
+padded to 64 values").
 
 No program waits for another: each step reads what the previous launch left. GH is cleared by the next call's first
 step, so there is no memset and no host sync and a call can be captured in a CUDA graph. Rows of one chunk (eager
