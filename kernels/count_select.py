@@ -412,7 +412,7 @@ def readable(x: torch.Tensor) -> int:
     Triton loads 16-byte vectors and scans in-thread (the emit step's tile: 568 instructions instead of 824, sm_90);
     with an odd row length it loads value by value."""
     rows, n = x.shape
-    padded = triton.cdiv(n, ALIGN) * ALIGN
+    padded = _aligned(n)
     room = x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()
     if rows and x.stride(0) % ALIGN == 0 and x.stride(0) >= padded and room >= (rows - 1) * x.stride(0) + padded:
         return padded
@@ -422,7 +422,12 @@ def readable(x: torch.Tensor) -> int:
 def padded_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty [..., n] tensor whose rows start every multiple of ALIGN values: `readable` loads them whole."""
     n = shape[-1]
-    return torch.empty(*shape[:-1], triton.cdiv(max(n, 1), ALIGN) * ALIGN, dtype=dtype, device=device)[..., :n]
+    return torch.empty(*shape[:-1], _aligned(max(n, 1)), dtype=dtype, device=device)[..., :n]
+
+
+def _aligned(n: int) -> int:
+    """n rounded up to a multiple of ALIGN."""
+    return triton.cdiv(n, ALIGN) * ALIGN
 
 
 def fine_bins(bits: int) -> int:
