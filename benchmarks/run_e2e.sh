@@ -8,12 +8,7 @@ usage="usage: $(basename "$0") [OUT_DIR] [FLAG...]
   FLAG...  appended to every sparsekv command; a flag given again overrides the table's
            (smoke run on the CPU: --shape smollm2-135m --seq 512 --batch 1 --new-tokens 4 --no-require-gpu)
   env: SPARSEKV (default: sparsekv), TAG device tag in the file names (default: h100)"
-case "${1:-}" in -h|--help) echo "$usage"; exit 0 ;; esac
-out="$(cd "$(dirname "$0")" && pwd)"
-if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
-mkdir -p "$out"
-sk="${SPARSEKV:-sparsekv}"
-tag="${TAG:-h100}"
+. "$(dirname "$0")/common.sh"
 methods=dense,streaming,oracle,quest,lsh,adamas,spotlight,saap
 
 $sk bench --e2e --require-gpu --shape llama3-8b --seq 32768 --batch 1,8 --method "$methods" --budget 2048 \

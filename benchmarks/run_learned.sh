@@ -12,16 +12,11 @@ usage="usage: $(basename "$0") [OUT_DIR] [FLAG...]
        TEXT natural text (default: Debian's jargon file, package jargon-text),
        WORK folder for the texts, dumps and artifacts (default: a new temporary folder),
        PARTS what to run (default: 'spotlight saap speed')"
-case "${1:-}" in -h|--help) echo "$usage"; exit 0 ;; esac
-out="$(cd "$(dirname "$0")" && pwd)"
-if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
-mkdir -p "$out"
-sk="${SPARSEKV:-sparsekv}"
-tag="${TAG:-h100}"
+. "$(dirname "$0")/common.sh"
 text="${TEXT:-/usr/share/doc/jargon-text/jargon.txt.gz}"
 parts="${PARTS:-spotlight saap speed}"
-[[ -f "$text" ]] || { echo "error: no text at $text (apt install jargon-text, or set TEXT)" >&2; exit 2; }
-if [[ -n "${WORK:-}" ]]; then work="$WORK"; else work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT; fi
+need_text "$text" TEXT
+work_folder
 
 python3 - "$text" "$work" <<'PY'
 import gzip, sys

@@ -12,17 +12,12 @@ usage="usage: $(basename "$0") [OUT_DIR] [FLAG...]
        MODEL (default: smollm2-135m), HAYSTACK essay text (default: Debian's jargon file, package jargon-text),
        DUMP_TOKENS tokens dumped for calibrate (default: 8192), WORK folder for the dump and the artifacts
        (default: a new temporary folder), PARTS what to run (default: 'budgets seeds passkey')"
-case "${1:-}" in -h|--help) echo "$usage"; exit 0 ;; esac
-out="$(cd "$(dirname "$0")" && pwd)"
-if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
-mkdir -p "$out"
-sk="${SPARSEKV:-sparsekv}"
-tag="${TAG:-h100}"
+. "$(dirname "$0")/common.sh"
 model="${MODEL:-smollm2-135m}"
 hay="${HAYSTACK:-/usr/share/doc/jargon-text/jargon.txt.gz}"
 parts="${PARTS:-budgets seeds passkey}"
-[[ -f "$hay" ]] || { echo "error: no haystack text at $hay (apt install jargon-text, or set HAYSTACK)" >&2; exit 2; }
-if [[ -n "${WORK:-}" ]]; then work="$WORK"; else work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT; fi
+need_text "$hay" HAYSTACK
+work_folder
 
 # the artifacts: thresholds per (layer, KV head); "fitted" with the queries' own set, "one set" shared
 $sk dump --model "$model" --text-file "$hay" --tokens "${DUMP_TOKENS:-8192}" --seq 2048 --device cpu \

@@ -8,15 +8,11 @@ usage="usage: $(basename "$0") [OUT_DIR] [FLAG...]
   env: SPARSEKV (default: sparsekv), MODEL (default: smollm2-135m; tiny-random for a smoke run),
        HAYSTACK text to dump (default: Debian's jargon file, package jargon-text),
        WORK folder for the dump (default: a new temporary folder)"
-case "${1:-}" in -h|--help) echo "$usage"; exit 0 ;; esac
-out="$(cd "$(dirname "$0")" && pwd)"
-if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
-mkdir -p "$out"
-sk="${SPARSEKV:-sparsekv}"
+. "$(dirname "$0")/common.sh"
 model="${MODEL:-smollm2-135m}"
 text="${HAYSTACK:-/usr/share/doc/jargon-text/jargon.txt.gz}"
-[[ -f "$text" ]] || { echo "error: no text at $text (apt install jargon-text, or set HAYSTACK)" >&2; exit 2; }
-if [[ -n "${WORK:-}" ]]; then work="$WORK"; else work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT; fi
+need_text "$text" HAYSTACK
+work_folder
 
 $sk dump --model "$model" --text-file "$text" --tokens 2048 --seq 1024 --queries 64 --device cpu \
     --out "$work/acts/v1"

@@ -7,12 +7,7 @@ usage="usage: $(basename "$0") [OUT_DIR] [FLAG...]
   FLAG...  appended to every sparsekv command; a flag given again overrides the table's
            (smoke run on the CPU: --model tiny-random --seq 1200 --n 1 --subtasks niah_single_1,vt --device cpu)
   env: SPARSEKV (default: sparsekv), TAG device tag in the file names (default: h100)"
-case "${1:-}" in -h|--help) echo "$usage"; exit 0 ;; esac
-out="$(cd "$(dirname "$0")" && pwd)"
-if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
-mkdir -p "$out"
-sk="${SPARSEKV:-sparsekv}"
-tag="${TAG:-h100}"
+. "$(dirname "$0")/common.sh"
 
 for bs in 8 1; do
     $sk eval --task ruler --seq 4096 --n 20 --method dense,adamas --budget 128 --batch "$bs" --device cuda \
