@@ -400,8 +400,21 @@ def manifest_path(path: str | os.PathLike) -> Path:
     if mpath.is_symlink():
         raise ArtifactError(f"artifact at {path} has a {MANIFEST} that is a symbolic link; it must be a real file")
     if not mpath.is_file():
-        raise ArtifactError(f"no artifact at {path}: {MANIFEST} missing")
+        raise ArtifactError(f"no artifact at {path}: {no_version_reason(path)}")
     return mpath
+
+
+def no_version_reason(path: Path) -> str:
+    """What the user gave instead of a version folder, in words: nothing, a file, or a folder above the versions."""
+    if not path.exists():
+        return "no such file or folder"
+    if not path.is_dir():
+        return "a file, not a version folder"
+    below = sorted((d for d in path.iterdir() if (d / MANIFEST).is_file()), key=lambda d: d.name)
+    if below:
+        names = ", ".join(d.name for d in below[:4]) + (", ..." if len(below) > 4 else "")
+        return f"{MANIFEST} missing; the folder holds versions ({names}): give one of them, e.g. {below[-1]}"
+    return f"{MANIFEST} missing"
 
 
 def artifact_paths(spec: str | os.PathLike | None) -> list[str]:

@@ -827,10 +827,10 @@ def artifacts_verify(path: Annotated[Path, typer.Argument(help="an artifact vers
     artifact."""
     import os
 
-    from .artifacts import MANIFEST, ArtifactError, verify_artifact
+    from .artifacts import MANIFEST, ArtifactError, no_version_reason, verify_artifact
 
     if not path.is_symlink() and not os.path.lexists(path / MANIFEST):
-        raise ArtifactError(f"no artifact at {path}: {MANIFEST} missing")
+        raise ArtifactError(f"no artifact at {path}: {no_version_reason(path)}")
     problems = verify_artifact(path)
     if problems:
         for p in problems:

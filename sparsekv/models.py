@@ -281,6 +281,8 @@ def peek_config(spec: str = DEFAULT_MODEL):
             return AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise SparseKVError(f"--model {spec}: cannot read its config ({str(e).splitlines()[0]})") from None
+    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:  # a path: hub ids are "org/name"
+        raise SparseKVError(f"--model {spec}: no such folder")
     if "/" not in spec:
         raise SparseKVError(
             f"unknown model {spec!r}: use smollm2-135m, tiny-random, a .gguf file, a local folder or a hub id")

@@ -1,6 +1,7 @@
 """The artifact store: round trip, versioning, atomic writes, and the one-line errors for bad artifacts."""
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -170,6 +171,19 @@ def test_missing_file_manifest_and_bad_json(tmp_path):
         load_artifact(p)
     assert str(e.value) == f"no artifact at {p}: manifest.json missing"
     assert verify_artifact(p) == [str(e.value)]
+
+
+def test_a_path_that_is_no_version_folder_says_what_it_is(tmp_path):
+    """Nothing there, a file, or the folder above the versions (the usual slip: .../saap instead of .../saap/v1)."""
+    with pytest.raises(ArtifactError, match="no such file or folder"):
+        load_artifact(tmp_path / "nope")
+    (tmp_path / "f.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="a file, not a version folder"):
+        load_artifact(tmp_path / "f.json")
+    v1, v2 = Path(_save(tmp_path)), Path(_save(tmp_path))  # ARTIFACTS/<model>/adamas/v1 and v2
+    with pytest.raises(ArtifactError) as e:
+        load_artifact(v1.parent)
+    assert str(e.value).endswith(f"the folder holds versions ({v1.name}, {v2.name}): give one of them, e.g. {v2}")
 
 
 def test_method_mismatch(tmp_path):
@@ -402,7 +416,7 @@ def test_cli_exit_codes(tmp_path):
     r = _cli("verify", str(tmp_path / "missing" / "v1"))
     assert r.returncode == 2, r
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "manifest.json missing" in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "no such file or folder" in lines[0], r.stderr
 
     good = _save(tmp_path)
     bad = _save(tmp_path, config={"hadamard": True})

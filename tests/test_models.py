@@ -17,7 +17,8 @@ def test_tiny_random_is_wired_to_sparsekv():
 
 
 @pytest.mark.parametrize("spec,message", [("no-such-model", "unknown model 'no-such-model'"),
-                                          ("/nonexistent/model.gguf", "model file not found")])
+                                          ("/nonexistent/model.gguf", "model file not found"),
+                                          ("/nonexistent/dir", "no such folder"), ("./a/b", "no such folder")])
 def test_a_spec_that_is_no_model_is_one_line(spec, message):
     with pytest.raises(SparseKVError, match=message):
         load_model(spec)
