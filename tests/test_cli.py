@@ -38,6 +38,7 @@ def sparsekv(*args):
     (["eval", "--model", "tiny-random", "--task", "ppl", "--batch", "2"], "--batch applies to passkey"),
     (["eval", "--model", "tiny-random", "--batch-size", "0"], "--batch must be positive"),  # the old spelling
     (["eval", "--model", "tiny-random", "--method", "dense", "--sink", "4"], "--sink apply to none of the methods"),
+    (["eval", "--model", "tiny-random", "--method", "quest,adamas", "--bits", "5"], "adamas: bits must be 1, 2 or 3"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     r = sparsekv(*args)
