@@ -561,6 +561,8 @@ def train_hash(
     patience: Annotated[int, typer.Option(help="stop after this many held-out evaluations without a higher IoU and "
                                           "keep the best one's weights (0: train every iteration, keep the "
                                           "last)")] = 2,
+    min_delta: Annotated[float, typer.Option(help="a held-out IoU counts as higher (for --patience) only by this "
+                                             "fraction of the best one")] = 0.0,
     checkpoint_every: CheckpointEveryOpt = 512,
     linear: Annotated[bool, typer.Option("--linear/--no-linear", help="also train the linear hash with the same "
                                          "loss, for the report (the paper's Table 1)")] = False,
@@ -591,7 +593,7 @@ def train_hash(
             data, out, resume=resume, progress=progress, layers=chosen or None, nbits=bits, hidden=hidden,
             iters=iters, keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr,
             queries_per_step=queries_per_step, negatives=negatives, pooling=pooling, holdout=holdout,
-            heldout_queries=heldout_queries, eval_every=eval_every, patience=patience,
+            heldout_queries=heldout_queries, eval_every=eval_every, patience=patience, min_delta=min_delta,
             checkpoint_every=checkpoint_every, linear=linear, seed=seed, query_margin=query_margin, device=dev)
     iou = report["iou"]
     cols = [k for k in ("linear_before", "linear_after", "mlp_before", "mlp_after") if k in iou["mean"]]
@@ -644,6 +646,9 @@ def index(
     patience: Annotated[int, typer.Option(help="stop after this many held-out evaluations without a lower KL and "
                                           "keep the best one's weights (0: train every iteration, keep the "
                                           "last)")] = 2,
+    min_delta: Annotated[float, typer.Option(help="a held-out KL counts as lower (for --patience) only by this "
+                                             "fraction of the best one: the default stops at the plateau, where "
+                                             "further gains are under 2 % an evaluation")] = 0.02,
     checkpoint_every: CheckpointEveryOpt = 1000,
     resume: ResumeOpt = False,
     seed: Annotated[int, typer.Option()] = 0,
@@ -666,7 +671,7 @@ def index(
             kmeans_iters=kmeans_iters, space=space, query_model=query_model, hidden=hidden, iters=iters, lr=lr,
             queries_per_step=queries_per_step, gap=gap, min_range=min_range, causal=causal, sink=sink, probes=probes,
             holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every, patience=patience,
-            checkpoint_every=checkpoint_every, seed=seed, device=dev)
+            min_delta=min_delta, checkpoint_every=checkpoint_every, seed=seed, device=dev)
     metrics = report["metrics"]
     cols = [c for c in ("kl_before", "kl", "hit_centroids", "hit", "mass_centroids", "mass")
             if c in metrics["mean"]]

@@ -221,7 +221,7 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
                  beta: float = 1.0, pooling: str = "group", queries_per_step: int = 64, negatives: int = 1024,
                  lr: float = 1e-3,
                  holdout: float = 0.1, heldout_queries: int = 256, eval_every: int = 0, patience: int = 2,
-                 checkpoint_every: int = 512, linear: bool = False, seed: int = 0, query_margin: float | None = None,
+                 min_delta: float = 0.0, checkpoint_every: int = 512, linear: bool = False, seed: int = 0, query_margin: float | None = None,
                  device: str | torch.device = "cpu",
                  work: str | Path | None = None, resume: bool = False, progress: Any = None
                  ) -> tuple[dict[str, torch.Tensor], dict, dict]:
@@ -249,7 +249,7 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     layers = fit_layers(layers, acts.num_layers)
     cfg = TrainConfig(iters=iters, lr=lr, checkpoint_every=checkpoint_every, seed=seed,
                       eval_every=eval_every or max(1, iters // 8), best_by="iou" if patience else "",
-                      best_mode="max", patience=patience)
+                      best_mode="max", patience=patience, min_delta=min_delta)
     cfg.check()
     t0 = time.perf_counter()
     tick = Ticker(progress, len(layers), "load dump")
@@ -267,7 +267,8 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
               "train": {"iters": iters, "lr": lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
                         "optimizer": cfg.optimizer, "betas": list(cfg.betas), "weight_decay": cfg.weight_decay,
                         "clip": cfg.clip, "seed": seed, "holdout": holdout, "eval_every": cfg.eval_every,
-                        "patience": patience, "kept": "highest held-out iou" if cfg.best_by else "last"}}
+                        "patience": patience, "min_delta": min_delta,
+                        "kept": "highest held-out iou" if cfg.best_by else "last"}}
     model = HashModel(L, Hkv, D, hidden, nbits, seed=seed).to(device)
     iou_before = obj.heads_iou(model, held)
     lsh = HashModel(L, Hkv, D, arch="linear", init_linear=_lsh_planes(layers, Hkv, D, nbits, seed)).to(device)

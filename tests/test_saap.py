@@ -503,7 +503,7 @@ def test_cached_targets_equal_the_ones_each_step_computes(dump):
 
 def test_resume_reuses_the_centroids_and_ends_at_the_same_weights(dump, tmp_path):
     opts = dict(clusters=8, hidden=16, iters=12, lr=1e-3, queries_per_step=16, heldout_queries=16,
-                checkpoint_every=5)
+                checkpoint_every=5, min_delta=0.0)  # every step's small gain counts: the run passes step 7
     whole, _, _ = index_keys(dump, work=tmp_path / "a", **opts)
 
     def stop(done, total):
@@ -527,6 +527,7 @@ def test_artifact_round_trip_and_report(artifact, dump):
     assert manifest["method"] == "saap" and manifest["config"]["space"] == "pre"
     assert m.centroids.shape == (2, 2, 16, 20) and m.probes == 1 and m.model is not None
     assert manifest["config"]["kmeans"]["backend"] == "faiss-cpu"
+    assert manifest["config"]["train"]["patience"] == 2 and manifest["config"]["train"]["min_delta"] == 0.02
     assert report["clusters"] == {"asked": 16, "used": 16, "note": None}
     b = report["buckets"]
     assert sum(b["histogram"]["buckets"]) == 2 * 2 * 16 and b["imbalance"]["mean"] >= 1.0

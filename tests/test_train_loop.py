@@ -42,6 +42,26 @@ def test_the_run_keeps_the_best_evaluation_and_stops_when_patience_runs_out():
     assert not torch.equal(s.seen[1][0], s.seen[3][0])  # the weights moved after the best one
 
 
+@pytest.mark.parametrize("mode,script", [("min", [1.0, 0.9, 0.89, 0.885, 0.5]), ("max", [1.0, 1.1, 1.11, 1.115, 2.0])])
+def test_min_delta_stops_a_plateau_and_keeps_the_last_real_gain(mode, script):
+    """A 10 % gain counts; 1.1 % and 0.6 % gains under min_delta 2 % do not: the run stops at the 4th evaluation
+    with the 2nd one's weights. Without min_delta the same values keep improving the best."""
+    s = Scripted(script)
+    cfg = TrainConfig(iters=100, lr=1e-2, warmup=0, eval_every=10, best_by="kl", best_mode=mode, patience=2,
+                      min_delta=0.02)
+    run = train(s.model, s.loss_at, cfg, evaluate=s.evaluate)
+    assert run.steps == 40 and run.stopped_early and run.report()["kept"] == {"by": "kl", "step": 20,
+                                                                             "value": script[1]}
+    for a, b in zip(s.model.parameters(), s.seen[1]):
+        assert torch.equal(a, b)
+    s = Scripted(script)
+    run = train(s.model, s.loss_at, TrainConfig(iters=50, lr=1e-2, warmup=0, eval_every=10, best_by="kl",
+                                                best_mode=mode, patience=2), evaluate=s.evaluate)
+    assert run.steps == 50 and run.report()["kept"]["step"] == 50
+    with pytest.raises(SparseKVError, match="--min-delta"):
+        TrainConfig(min_delta=1.0).check()
+
+
 def test_without_patience_the_run_goes_on_and_still_keeps_the_best():
     s = Scripted([5.0, 3.0, 4.0, 4.5, 6.0])
     cfg = TrainConfig(iters=50, lr=1e-2, warmup=0, eval_every=10, best_by="kl", best_mode="min")

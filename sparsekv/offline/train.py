@@ -51,6 +51,7 @@ class TrainConfig:
     best_by: str = ""  # a held-out metric: the run ends with the weights of its best evaluation ("" : the last ones)
     best_mode: str = "min"  # "min" or "max": which values of best_by are better
     patience: int = 0  # with best_by: stop after this many evaluations without a better value (0: run every step)
+    min_delta: float = 0.0  # with best_by: a value is better only when it beats the best by this fraction of it
 
     def check(self) -> None:
         if self.iters < 1:
@@ -63,6 +64,8 @@ class TrainConfig:
             raise SparseKVError(f"optimizer must be adamw or adam, got {self.optimizer!r}")
         if self.patience < 0:
             raise SparseKVError(f"--patience must be >= 0, got {self.patience}")
+        if not 0.0 <= self.min_delta < 1.0:
+            raise SparseKVError(f"--min-delta must be in [0, 1), got {self.min_delta}")
         if self.patience and not self.best_by:
             raise SparseKVError("patience needs a held-out metric to follow (best_by)")
         if self.best_mode not in ("min", "max"):
@@ -118,7 +121,8 @@ def train(model: torch.nn.Module, loss_at: Callable[[int], torch.Tensor], cfg: T
     every `cfg.eval_every` steps and at the end, in full fp32; `show`: the key of the metric shown beside the loss
     in progress. With `cfg.best_by` the model ends with the weights of the best evaluation, and with `cfg.patience`
     the run stops once that many evaluations in a row did not improve on it (a small dump overfits long before
-    a paper's iteration count).
+    a paper's iteration count); with `cfg.min_delta` an improvement counts only from that fraction of the best
+    value on (a plateau's last small gains stop the run instead of prolonging it).
     """
     cfg.check()
     opt = make_optimizer(model, cfg)
@@ -184,10 +188,16 @@ def _track_best(best: dict | None, evals: list, model: torch.nn.Module, cfg: Tra
     run out."""
     step, metrics = evals[-1]
     v = float(metrics[cfg.best_by])
-    if best is None or (v < best["value"] if cfg.best_mode == "min" else v > best["value"]):
+    if best is None or _better(v, best["value"], cfg):
         weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
         return {"step": step, "value": v, "model": weights}, False
     return best, _out_of_patience(best, evals, cfg)
+
+
+def _better(v: float, best: float, cfg: TrainConfig) -> bool:
+    """Whether v improves on best in cfg.best_mode's direction by at least cfg.min_delta of |best|."""
+    margin = cfg.min_delta * abs(best)
+    return v < best - margin if cfg.best_mode == "min" else v > best + margin
 
 
 def _out_of_patience(best: dict | None, evals: list, cfg: TrainConfig) -> bool:
