@@ -410,7 +410,7 @@ def no_version_reason(path: Path) -> str:
         return "no such file or folder"
     if not path.is_dir():
         return "a file, not a version folder"
-    below = sorted((d for d in path.iterdir() if (d / MANIFEST).is_file()), key=lambda d: d.name)
+    below = sorted((d for d in path.iterdir() if (d / MANIFEST).is_file()), key=lambda d: (len(d.name), d.name))
     if below:
         names = ", ".join(d.name for d in below[:4]) + (", ..." if len(below) > 4 else "")
         return f"{MANIFEST} missing; the folder holds versions ({names}): give one of them, e.g. {below[-1]}"

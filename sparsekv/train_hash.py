@@ -221,8 +221,8 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
                  beta: float = 1.0, pooling: str = "group", queries_per_step: int = 64, negatives: int = 1024,
                  lr: float = 1e-3,
                  holdout: float = 0.1, heldout_queries: int = 256, eval_every: int = 0, patience: int = 2,
-                 min_delta: float = 0.0, checkpoint_every: int = 512, linear: bool = False, seed: int = 0, query_margin: float | None = None,
-                 device: str | torch.device = "cpu",
+                 min_delta: float = 0.0, checkpoint_every: int = 512, linear: bool = False, seed: int = 0,
+                 query_margin: float | None = None, device: str | torch.device = "cpu",
                  work: str | Path | None = None, resume: bool = False, progress: Any = None
                  ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Fit the hashes of `layers` (default: all) to the dump; returns (tensors, config, report): tensors w1 [L, Hkv,

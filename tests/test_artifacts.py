@@ -1,10 +1,10 @@
 """The artifact store: round trip, versioning, atomic writes, and the one-line errors for bad artifacts."""
 
 import json
-from pathlib import Path
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch

@@ -13,9 +13,9 @@
    gains 4.5 % from 5000 to 7500 iterations and then under 1.1 % an evaluation, with the hit rate and mass in the
    third decimal (benchmarks/BENCHMARKS.md, "SAAP: stopping at the plateau"). The paper's 40k iterations draw on
    40 prompts of 500k tokens; a dump of a few hundred thousand tokens is learnt by heart long before (its held-out
-   KL rises while the training loss keeps falling). `query_model=False` skips the model (the "K-means" baselines: queries ranked by the
-   centroids). The targets pair each query with earlier keys only (`causal`, default True; the paper's two-way
-   pairs with causal=False: objective.py says why and what it costs).
+   KL rises while the training loss keeps falling). `query_model=False` skips the model (the "K-means" baselines:
+   queries ranked by the centroids). The targets pair each query with earlier keys only (`causal`, default True;
+   the paper's two-way pairs with causal=False: objective.py says why and what it costs).
 3. The report (on causal pairs, whatever the training pairs: what a decode step can read): bucket sizes of
    held-out keys (histogram, imbalance factor), and on held-out long-range queries the
    Q-model's KL and, at ℓ probes, the share of queries whose heaviest long-range key is in a visited bucket and the
