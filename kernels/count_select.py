@@ -115,6 +115,13 @@ def _values(Dr, idx, ok, VMAX: tl.constexpr):
 
 
 @triton.jit
+def _tile(Dr, idx, N, NP, VMAX: tl.constexpr):
+    """A tile of a row: its values, read up to the padded length NP (whole vectors), and which of them count
+    (idx < N, the row's own length)."""
+    return _values(Dr, idx, idx < NP, VMAX), idx < N
+
+
+@triton.jit
 def _kth(Dr, pos, ok, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.constexpr):
     """The need-th smallest of the values at pos (exact: coarse bins of the top 6 bits, then the low bits of the bin
     that holds it), and how many are below it."""
@@ -137,14 +144,13 @@ def _row_kth(Dr, N, NP, need, SHIFT: tl.constexpr, VMAX: tl.constexpr, NB2: tl.c
     h = tl.zeros([64], tl.int32)
     for off in range(0, N, TILE):
         idx = off + tl.arange(0, TILE)
-        ok = idx < N
-        h += _hist(_values(Dr, idx, idx < NP, VMAX) >> SHIFT, ok, 64)
+        v, ok = _tile(Dr, idx, N, NP, VMAX)
+        h += _hist(v >> SHIFT, ok, 64)
     tb, c1 = _find_in(h, need, 64)
     h2 = tl.zeros([NB2], tl.int32)
     for off in range(0, N, TILE):
         idx = off + tl.arange(0, TILE)
-        ok = idx < N
-        v = _values(Dr, idx, idx < NP, VMAX)
+        v, ok = _tile(Dr, idx, N, NP, VMAX)
         h2 += _hist(v & ((1 << SHIFT) - 1), ok & ((v >> SHIFT) == tb), NB2)
     lo, c2 = _find_in(h2, need - c1, NB2)
     return (tb << SHIFT) + lo, c1 + c2, _bin(h2, lo, NB2)
@@ -176,8 +182,8 @@ def _window(D, PH, GH, STATE, N, NP, stride_d, r, p, P, VMAX: tl.constexpr, CHUN
     h = tl.zeros([WIN], tl.int32)
     for t in range(CHUNK // TILE):
         idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
-        ok = idx < N
-        h += _hist(tl.minimum(tl.maximum(_values(Dr, idx, idx < NP, VMAX) - base + 1, 0), WIN - 1), ok, WIN)
+        v, ok = _tile(Dr, idx, N, NP, VMAX)
+        h += _hist(tl.minimum(tl.maximum(v - base + 1, 0), WIN - 1), ok, WIN)
     _publish(h, PH + (r64 * P + p) * WIN, GH + r64 * WIN, WIN)
 
 
@@ -212,8 +218,7 @@ def _emit(D, PH, GH, STATE, OUT, N, NP, k, offset, stride_d, stride_o, r, p, P, 
         eq_run = tl.zeros([], tl.int32)
         for off in range(0, p * CHUNK, TILE):
             idx = off + tl.arange(0, TILE)
-            ok = idx < N
-            v = _values(Dr, idx, idx < NP, VMAX)
+            v, ok = _tile(Dr, idx, N, NP, VMAX)
             lt_run += tl.sum((ok & (v < thr)).to(tl.int32), 0)
             eq_run += tl.sum((ok & (v == thr)).to(tl.int32), 0)
         mine = tl.full([], -1, tl.int32)  # unknown: the general emit below
@@ -257,8 +262,7 @@ def _emit_tiles(Dr, Or, N, NP, thr, need, skip, lt_run, eq_run, offset, p, VMAX:
     in the row) - need the last."""
     for t in range(CHUNK // TILE):
         idx = p * CHUNK + t * TILE + tl.arange(0, TILE)
-        ok = idx < N
-        v = _values(Dr, idx, idx < NP, VMAX)
+        v, ok = _tile(Dr, idx, N, NP, VMAX)
         a = (ok & (v < thr)).to(tl.int32)
         e = (ok & (v == thr)).to(tl.int32)
         both = a + (e << 16)  # one scan for both counts (TILE < 2**16)
