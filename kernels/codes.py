@@ -609,7 +609,7 @@ def _kv_heads(Hq: int, k_words: torch.Tensor, length: int) -> int:
 
 
 def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype, negate, block_l, num_warps,
-                     popc=None, bounds=None, fill=0, head_top=0, ties="low"):
+                     popc=None, bounds=None, fill=0, head_top=0, ties="low", padded=False):
     """Validate, then run the distance kernel: distances (or negated scores) [B, H_out, length] in out_dtype.
     popc (CUDA only; the interpreter always takes 0): 0 SWAR sums, 1 a POPC per int32 lane's plane, 2 (default)
     int64 lane pairs through a carry-save adder (2-bit L1; 1-bit codes count lanes with POPC for 1 and 2).
@@ -617,8 +617,9 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     head_top m > 0 (1-bit or 2-bit L1 codes, pool "sum", distances out): the pooled distances + 1, and every
     block's nearest key per query head; the second value returned then launches the forcing step
     (_force_head_top_kernel: 0 for each query head's m nearest keys of the region, ties as `ties`), given the
-    counting select's first step to run in the same launch or None (else it is None). Returns (distances, that
-    launcher)."""
+    counting select's first step to run in the same launch or None (else it is None). `padded`: the rows are
+    allocated as the counting select reads them fastest (`count_select.padded_rows`: 16-byte vectors). Returns
+    (distances, that launcher)."""
     if metric not in ("l1", "l2"):
         raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
     if pool not in _POOLS:
@@ -640,7 +641,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
     Hkv = _kv_heads(Hq, k_words, length)
     G = Hq // Hkv
     H_out = Hkv if pool is not None else Hq
-    if out_dtype == torch.int16:  # code_topk's: rows the counting select loads in 16-byte vectors
+    if padded:
         out = count_select.padded_rows((B, H_out, length), out_dtype, q_words.device)
     else:
         out = torch.empty(B, H_out, length, dtype=out_dtype, device=q_words.device)
@@ -773,7 +774,8 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
         raise ValueError(f"k={k} must be between 0 and the {length} keys")
     fill = (1 << count_select.value_bits(vmax)) - 1
     dist, force = _launch_distance(q_words, k_words, length, d, bits, metric, pool, torch.int16, False, block_l,
-                                   num_warps, bounds=bounds, fill=fill, head_top=head_top, ties=ties)
+                                   num_warps, bounds=bounds, fill=fill, head_top=head_top, ties=ties,
+                                   padded=True)
     if keep is not None:
         dist.masked_fill_(~keep, fill)
     return count_select.smallest_k(dist, k, vmax, offset=offset, ties=ties, first=force, _chunk=_chunk, _tile=_tile)

@@ -7,6 +7,7 @@ boundaries; the real shapes (8 x 131072, k 2048; heavy ties) on the GPU when one
 import pytest
 import torch
 
+from sparsekv.kernels import count_select
 from sparsekv.kernels.codes import code_distance, code_topk, code_topk_supported
 from sparsekv.kernels.count_select import MAX_BITS, smallest_k, value_bits
 from sparsekv.kernels.reference import RowBounds, head_top_reference
@@ -229,6 +230,19 @@ def test_code_topk_matches_distances(B, Hq, Hkv, D, bits, metric, pool, L, k, bl
     dist = code_distance(qw, kw[:, :, off:], L, D, bits, metric, pool=pool)
     assert got.shape == (B, dist.shape[1], k)
     assert torch.equal(got.cpu(), smallest_reference(dist, k, off, ties))
+
+
+def test_code_topk_hands_the_select_padded_rows(monkeypatch):
+    """The distance rows code_topk selects from are allocated padded (count_select.padded_rows), so the select loads
+    them whole (`readable`: past their 333 values)."""
+    seen = []
+    real = count_select.smallest_k
+    monkeypatch.setattr(count_select, "smallest_k",
+                        lambda values, *a, **kw: seen.append(count_select.readable(values.view(-1, values.shape[-1])))
+                        or real(values, *a, **kw))
+    qw, kw = _codes(1, 4, 2, 333, 64, 2, 5)
+    code_topk(qw, kw, 333, 64, 20, 2, "l1", pool="sum")
+    assert seen == [count_select.ALIGN * 6]
 
 
 @pytest.mark.parametrize("bits,pool,span,sink,window", [
