@@ -44,8 +44,8 @@ def test_the_run_keeps_the_best_evaluation_and_stops_when_patience_runs_out():
 
 @pytest.mark.parametrize("mode,script", [("min", [1.0, 0.9, 0.89, 0.885, 0.5]), ("max", [1.0, 1.1, 1.11, 1.115, 2.0])])
 def test_min_delta_stops_a_plateau_and_keeps_the_last_real_gain(mode, script):
-    """A 10 % gain counts; 1.1 % and 0.6 % gains under min_delta 2 % do not: the run stops at the 4th evaluation
-    with the 2nd one's weights. Without min_delta the same values keep improving the best."""
+    """A 10 % gain counts; the next two values, better but within 2 % of that best, do not under min_delta 2 %: the
+    run stops at the 4th evaluation with the 2nd one's weights. Without min_delta each of them is a new best."""
     s = Scripted(script)
     cfg = TrainConfig(iters=100, lr=1e-2, warmup=0, eval_every=10, best_by="kl", best_mode=mode, patience=2,
                       min_delta=0.02)
