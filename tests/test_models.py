@@ -17,11 +17,11 @@ def test_tiny_random_is_wired_to_sparsekv():
 
 
 @pytest.mark.parametrize("spec,message", [("no-such-model", "unknown model 'no-such-model'"),
-                                          ("/nonexistent/model.gguf", "model file not found"),
-                                          ("/nonexistent/dir", "no such folder"), ("./a/b", "no such folder")])
-def test_a_spec_that_is_no_model_is_one_line(spec, message):
+                                          ("{tmp}/model.gguf", "model file not found"),
+                                          ("{tmp}/dir", "no such folder"), ("./{tmp}/a/b", "no such folder")])
+def test_a_spec_that_is_no_model_is_one_line(spec, message, tmp_path):
     with pytest.raises(SparseKVError, match=message):
-        load_model(spec)
+        load_model(spec.format(tmp=tmp_path / "absent"))
 
 
 def test_fingerprint_is_stable_across_loads():
