@@ -73,10 +73,25 @@ def test_recall_leaves_out_queries_the_budget_covers(tiny, tmp_path):
     (EvalConfig(methods=["oracle"], budgets=[400], seqs=[300]), "larger than the context"),
     (EvalConfig(methods=["oracle"], options=MethodOptions(bits=1)), "--bits apply to none of the methods oracle"),
     (EvalConfig(methods=["oracle"], options={"colour": 1}), "unknown method option(s) colour"),
+    (EvalConfig(methods=["adamas"], options=MethodOptions(bits=5)), "adamas: bits must be 1, 2 or 3"),
 ])
 def test_bad_config_fails_before_any_work(cfg, message):
     with pytest.raises(SparseKVError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cfg.check()
+
+
+def test_a_grid_builds_each_method_once_to_check_its_options(monkeypatch):
+    """The checks run before the model loads and again when the grid runs; the build that checks a method's own
+    options (and may read its artifact) runs once per method and options object."""
+    built = []
+    real = MethodOptions.build
+    monkeypatch.setattr(MethodOptions, "build", lambda self, name, *a, **kw: built.append(name) or real(self, name,
+                                                                                                      *a, **kw))
+    cfg = EvalConfig(methods=["dense", "adamas", "oracle"], budgets=[8, 16], seqs=[300])
+    for _ in range(3):
+        cfg.check()
+        cfg.specs()
+    assert sorted(built) == ["adamas", "dense", "oracle"]
 
 
 def test_method_for_one_generation():

@@ -122,7 +122,7 @@ def specs_for(methods: list[str], budgets: list[float], seqs: list[int], options
     for L in seqs or [None]:  # an integer budget needs no length; a fraction is checked at each one
         check_sink_window(specs, L)
     for m in dict.fromkeys(sp.method for sp in specs):  # each method's own option checks (bits, page size, ...)
-        options.build(m, next(sp.budget for sp in specs if sp.method == m))
+        options.check_build(m, next(sp.budget for sp in specs if sp.method == m))
     return specs
 
 

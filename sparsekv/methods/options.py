@@ -115,6 +115,19 @@ class MethodOptions:
             raise SparseKVError(f"option(s) {', '.join('--' + u.replace('_', '-') for u in unused)} apply to none of "
                                 f"the methods {', '.join(methods)}")
 
+    @cached_property
+    def _checked(self) -> set:
+        """(method, budget) pairs whose option checks `check_build` has run on this options object."""
+        return set()
+
+    def check_build(self, name: str, budget: float | None) -> None:
+        """Run `name`'s own option checks (bits, page size, ...) by building it at `budget`, once per options object:
+        a grid's checks run more than once (before the model loads, then when it runs), and a build may read an
+        artifact."""
+        if (name, budget) not in self._checked:
+            self.build(name, budget)
+            self._checked.add((name, budget))
+
     def build(self, name: str, budget: float | None = None, stand_in: tuple[int, int, int] | None = None) -> Method:
         """The method `name` at `budget` (None: its own, for dense) with the options it takes. `stand_in`: (layers,
         KV heads, head dim) of a speed run, where a method that needs an artifact may run without one
