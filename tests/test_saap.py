@@ -466,6 +466,17 @@ def test_index_keeps_its_best_evaluation_unless_patience_is_zero():
     assert config["train"]["kept"] == "last" and "kept" not in report["train"] and report["train"]["steps"] == 8
 
 
+@pytest.mark.parametrize("option, message", [({"clusters": 0}, "--clusters must be >= 1"),
+                                             ({"probes": 0}, "--probes must be >= 1"),
+                                             ({"hidden": 0}, "--hidden must be >= 1")])
+def test_bad_index_options_fail_before_the_dump_loads(option, message, monkeypatch):
+    """An option no fit could use fails at once, not after the dump's load (and, for --probes, not after a whole
+    fit whose report would score zero buckets)."""
+    monkeypatch.setattr("sparsekv.saap.fit.DumpExamples", lambda *a, **k: pytest.fail("the dump was loaded"))
+    with pytest.raises(SparseKVError, match=message):
+        index_keys(object(), **option)
+
+
 def test_targets_pair_earlier_keys_by_default_and_the_report_scores_causal_pairs(dump):
     """A decode step reads only the keys before its query: by default a query's target pairs it with earlier keys
     only (the paper's two-way pairs with causal=False), and the held-out report scores causal pairs either way."""

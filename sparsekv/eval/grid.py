@@ -79,6 +79,10 @@ class EvalConfig:
             raise SparseKVError(f"text file not found: {self.text_file}")
         if self.haystack_file is not None and not Path(self.haystack_file).is_file():
             raise SparseKVError(f"haystack file not found: {self.haystack_file}")
+        if self.task == "ruler":  # a misspelt subtask fails here, not after the model loads
+            from .ruler import resolve_subtasks
+
+            resolve_subtasks(self.subtasks)
         if self.task == "recall" and self.acts is None:
             raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
         if self.task == "ppl":

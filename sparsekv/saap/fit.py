@@ -72,8 +72,9 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
     (sparsekv.offline.stage.checkpoint_dir); `resume`: continue the run saved there."""
     if space not in ("pre", "post"):
         raise SparseKVError(f"--space must be pre or post, got {space!r}")
-    for name, v in (("--kmeans-iters", kmeans_iters), ("--hidden", hidden), ("--queries-per-step", queries_per_step),
-                    ("--heldout-queries", heldout_queries)):
+    for name, v in (("--clusters", clusters), ("--kmeans-iters", kmeans_iters), ("--hidden", hidden),
+                    ("--queries-per-step", queries_per_step), ("--heldout-queries", heldout_queries),
+                    ("--probes", 1 if probes is None else probes)):
         if v < 1:
             raise SparseKVError(f"{name} must be >= 1, got {v}")
     if sink < 0:
