@@ -91,7 +91,7 @@ def _checked(check, option: str):
     return lambda value: value if value is None else check(value, option)
 
 
-_JSON, _PLOT = _checked(validate.output_file, "--json"), _checked(validate.output_file, "--plot")
+_JSON, _PLOT = _checked(validate.output_file, "--json"), _checked(validate.plot_file, "--plot")
 _OUT = _checked(validate.output_folder, "--out")
 _TEXT, _HAYSTACK = _checked(validate.text_file, "--text-file"), _checked(validate.text_file, "--haystack-file")
 _PROMPT = _checked(validate.text_file, "--prompt-file")
@@ -313,8 +313,8 @@ def eval_cmd(
 @app.command("plot")
 def plot_cmd(
     results: Annotated[list[Path], typer.Argument(help="eval JSON files (`eval --json`), drawn together")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="the PNG to write",
-                                      callback=_checked(validate.output_file, "--out"))],
+    out: Annotated[Path, typer.Option("--out", "-o", help="the figure to write (.png, .pdf, .svg, ...)",
+                                      callback=_checked(validate.plot_file, "--out"))],
     x: Annotated[str, typer.Option(help="budget (keys per KV head per step) or selectivity (the share of the "
                                         "context attended, as each run measured it)")] = "budget",
 ):

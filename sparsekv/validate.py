@@ -212,6 +212,21 @@ def output_file(path: Path | None, option: str = "--json") -> Path | None:
     return path
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")  # matplotlib's
+
+
+def plot_file(path: Path | None, option: str = "--plot") -> Path | None:
+    """A figure we will write after the work (output_file), named with a format matplotlib writes: checked before
+    the run, so a long eval or bench does not end in a figure it cannot save."""
+    if path is None:
+        return None
+    path = output_file(path, option)
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise SparseKVError(f"{option} {path}: the name must end in one of {', '.join(PLOT_FORMATS)} (the figure's "
+                            f"format)")
+    return path
+
+
 def output_folder(path: Path, option: str = "--out") -> Path:
     """A folder we will create or add to: not an existing file, and writable (or creatable) where it goes."""
     path = Path(path)

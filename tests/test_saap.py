@@ -477,6 +477,15 @@ def test_bad_index_options_fail_before_the_dump_loads(option, message, monkeypat
         index_keys(object(), **option)
 
 
+@pytest.mark.parametrize("option", [{"sink": SEQ}, {"gap": SEQ - 1}, {"min_range": SEQ - 1}])
+def test_pairs_farther_than_the_dump_holds_fail_before_the_dump_loads(dump, option, monkeypatch):
+    """A gap, long-range threshold or sink that leaves the dump's sequences no pair to train on is one clear error,
+    not a fit on nothing (an artifact scored 0) or a torch error."""
+    monkeypatch.setattr("sparsekv.saap.fit.DumpExamples", lambda *a, **k: pytest.fail("the dump was loaded"))
+    with pytest.raises(SparseKVError, match="hold no pair that far apart"):
+        index_keys(dump, **option)
+
+
 def test_targets_pair_earlier_keys_by_default_and_the_report_scores_causal_pairs(dump):
     """A decode step reads only the keys before its query: by default a query's target pairs it with earlier keys
     only (the paper's two-way pairs with causal=False), and the held-out report scores causal pairs either way."""

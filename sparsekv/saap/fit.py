@@ -84,6 +84,11 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
     gap, min_range = auto_gap if gap is None else gap, auto_min if min_range is None else min_range
     if gap < 1 or min_range < 0:
         raise SparseKVError(f"--gap must be >= 1 and --min-range >= 0, got {gap} and {min_range}")
+    reach = max(acts.seq_lengths) - 1 - sink  # the farthest (query, key) pair a sequence holds, sinks left out
+    if max(gap, min_range) > reach:
+        raise SparseKVError(f"--gap {gap}, --min-range {min_range} and --sink {sink}: the dump's sequences of at most "
+                            f"{max(acts.seq_lengths)} tokens hold no pair that far apart (at most {max(reach, 0)}); "
+                            f"lower them or dump longer sequences (--seq)")
     cfg = TrainConfig(iters=iters, lr=lr, min_lr=lr, warmup=0, optimizer="adam", betas=(0.9, 0.999),
                       weight_decay=0.0, clip=None, checkpoint_every=checkpoint_every,
                       eval_every=eval_every or max(1, iters // 16), seed=seed, tf32=True,
