@@ -884,6 +884,13 @@ def _is_usage_error(e: Exception) -> bool:
     return hasattr(e, "format_message") and getattr(e, "exit_code", None) == 2
 
 
+def _out_of_memory(e: Exception) -> bool:
+    """Python's MemoryError, torch's OutOfMemoryError (CUDA) and the CPU allocator's RuntimeError."""
+    text = str(e)
+    return (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+            or (isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)))
+
+
 def main() -> None:
     """Exit codes: 0 ok, 1 a check found problems (`artifacts verify`/`list`) or an unexpected error, 2 bad input
     (one `error:` line; parse errors included), 130 interrupted. `--debug` (anywhere) shows tracebacks."""
@@ -910,9 +917,15 @@ def main() -> None:
             sys.exit(130)
         if debug:
             raise
+        if _out_of_memory(e):  # the usual cause is a size asked for: say so in one line
+            print("error: out of memory: lower the sizes asked for (--batch, --seq, --tokens, --budget) or use a "
+                  "larger device (--debug shows the traceback)", file=sys.stderr)
+            sys.exit(2)
         print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (--debug shows the "
               f"traceback)", file=sys.stderr)
         sys.exit(1)
+    if code == 130:  # Typer returns 130 for Ctrl-C (or SIGTERM, _stop_on_sigterm) instead of raising
+        print("error: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 
