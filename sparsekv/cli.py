@@ -893,7 +893,7 @@ def _out_of_memory(e: Exception) -> bool:
 
 def main() -> None:
     """Exit codes: 0 ok, 1 a check found problems (`artifacts verify`/`list`) or an unexpected error, 2 bad input
-    (one `error:` line; parse errors included), 130 interrupted. `--debug` (anywhere) shows tracebacks."""
+    (one `error:` line; parse errors and out of memory included), 130 interrupted. `--debug` (anywhere) shows tracebacks."""
     debug = "--debug" in sys.argv[1:]
     if debug:
         sys.argv.remove("--debug")
