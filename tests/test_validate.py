@@ -296,20 +296,27 @@ def test_debug_shows_the_traceback(tmp_path):
     assert r.returncode == 2 and "is a folder" in r.stderr  # bad input stays one line with --debug too
 
 
-def test_an_interrupted_command_says_so(monkeypatch, capsys):
-    """Ctrl-C (and SIGTERM, turned into it) inside a command: exit 130 and an `error: interrupted` line, whatever
-    Typer does with the KeyboardInterrupt."""
+
+def _main_raising(error, monkeypatch, capsys) -> tuple[int, list[str]]:
+    """cli.main on a command (`plot`) whose work raises `error`: (exit code, the non-blank stderr lines)."""
     from sparsekv import cli
 
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
+    def work(*a, **k):
+        raise error
 
     monkeypatch.setattr(cli, "_stop_on_sigterm", lambda: None)
-    monkeypatch.setattr("sparsekv.eval.plot.load_results", interrupted)
+    monkeypatch.setattr("sparsekv.eval.plot.load_results", work)
     monkeypatch.setattr("sys.argv", ["sparsekv", "plot", "r.json", "-o", "p.png"])
     with pytest.raises(SystemExit) as stop:
         cli.main()
-    assert stop.value.code == 130 and "error: interrupted" in capsys.readouterr().err
+    return stop.value.code, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+def test_an_interrupted_command_says_so(monkeypatch, capsys):
+    """Ctrl-C (and SIGTERM, turned into it) inside a command: exit 130 and an `error: interrupted` line, whatever
+    Typer does with the KeyboardInterrupt."""
+    code, lines = _main_raising(KeyboardInterrupt(), monkeypatch, capsys)
+    assert code == 130 and lines == ["error: interrupted"]
 
 
 @pytest.mark.parametrize("error", [MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. "
@@ -317,15 +324,5 @@ def test_an_interrupted_command_says_so(monkeypatch, capsys):
 def test_out_of_memory_is_one_line_naming_the_sizes(error, monkeypatch, capsys):
     """A size too large for the machine (`bench --batch 100000`, `dump --tokens 99999999999`) ends in one line that
     names the options to lower, exit 2, not the allocator's message."""
-    from sparsekv import cli
-
-    def out_of_memory(*a, **k):
-        raise error
-
-    monkeypatch.setattr(cli, "_stop_on_sigterm", lambda: None)
-    monkeypatch.setattr("sparsekv.eval.plot.load_results", out_of_memory)
-    monkeypatch.setattr("sys.argv", ["sparsekv", "plot", "r.json", "-o", "p.png"])
-    with pytest.raises(SystemExit) as stop:
-        cli.main()
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: out of memory: lower"), lines
+    code, lines = _main_raising(error, monkeypatch, capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: out of memory: lower"), lines
