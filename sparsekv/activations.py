@@ -260,8 +260,8 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
     """
     out_dir = Path(out_dir)
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
-    if seq_len < 1:
-        raise SparseKVError(f"seq_len must be positive, got {seq_len}")
+    if seq_len < MIN_LAST_SEQ:  # fewer keys than this give the offline stages nothing to pair
+        raise SparseKVError(f"--seq must be at least {MIN_LAST_SEQ} tokens, got {seq_len}")
     if queries_per_seq < 1:
         raise SparseKVError(f"queries_per_seq must be positive, got {queries_per_seq}")
     if lm.max_context and seq_len > lm.max_context:

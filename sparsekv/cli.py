@@ -438,13 +438,15 @@ def dump(
     dtype: DtypeOpt = "auto",
 ):
     """Record pre- and post-RoPE keys (and sampled queries) per layer and KV head, for the offline stages."""
-    from .activations import dump_activations, text_tokens
+    from .activations import MIN_LAST_SEQ, dump_activations, text_tokens
 
     seq = seq if seq_len is None else seq_len
     if (text_file is None) == (dataset is None):
         raise SparseKVError("give exactly one of --text-file or --dataset")
     if tokens <= 0 or seq <= 0 or queries <= 0:
         raise SparseKVError("--tokens, --seq and --queries must be positive")
+    if seq < MIN_LAST_SEQ:
+        raise SparseKVError(f"--seq must be at least {MIN_LAST_SEQ} tokens, got {seq}")
     if out.exists():
         raise SparseKVError(f"{out} already exists: choose a new folder")
     validate.model_checks(model, seqs=[seq])

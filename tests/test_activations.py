@@ -180,6 +180,8 @@ def test_bad_dump_inputs(lm, tokens, tmp_path):
         dump_activations(lm, tokens, tmp_path / "exists", seq_len=SEQ)
     with pytest.raises(SparseKVError, match="at least 16 tokens"):
         dump_activations(lm, tokens[:10], tmp_path / "short", seq_len=SEQ)
+    with pytest.raises(SparseKVError, match="--seq must be at least 16 tokens, got 1"):
+        dump_activations(lm, tokens, tmp_path / "one", seq_len=1)
     with pytest.raises(SparseKVError, match="exceeds the model's context"):
         dump_activations(lm, tokens, tmp_path / "long", seq_len=lm.max_context + 1)
     unwired = tiny_random(seed=0)  # not loaded through load_model: the recorder never runs

@@ -87,6 +87,7 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     (["eval", *TINY, "--seq", "10000000", "--n", "1"], "--seq 10000000 is longer than tiny-random(seed=0) supports "
                                                        "(4096 tokens)"),
     (["dump", *TINY, "--seq", "10000000", "--text-file", "{fx}/t.txt", "--out", "{tmp}/d"], "--seq 10000000 is longer"),
+    (["dump", *TINY, "--seq", "1", "--text-file", "{fx}/t.txt", "--out", "{tmp}/d"], "--seq must be at least 16"),
     (["generate", *TINY, "--prompt", "hi", "--max-new-tokens", "10000000"],
      "--max-new-tokens 10000000 + 1 prompt token exceed tiny-random(seed=0)'s context (4096 tokens)"),
     # dense layers against the layer count (recall: the dump's)
