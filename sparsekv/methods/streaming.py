@@ -19,6 +19,9 @@ class Streaming(Method):
                  pooling: Pooling | str | None = None, **options):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.auto_window = window is None  # the window fills whatever the sink leaves of the budget
+        if self.sink == 0 and window == 0:
+            raise SparseKVError("streaming: --sink 0 with --window 0 attends no key; give one of them (or leave "
+                                "--window out: it fills the budget)")
 
     def select(self, state: LayerState, q, q_pre_rope) -> Selection:
         """The first `sink` keys the layer may see and the newest ones (its whole window if that fits the budget)."""
