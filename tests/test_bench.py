@@ -190,6 +190,7 @@ def test_e2e_rows_and_json(tmp_path):
     (["--budget", "32,64"], "one --budget"),
     (["--method", "dense,bogus"], "unknown method(s) bogus"),
     (["--seq", "5000"], "exceed tiny-random(seed=0)'s context"),
+    (["--budget", "1000"], "budget 1000 tokens is larger than the context (100 tokens)"),
 ])
 def test_e2e_bad_input_is_one_line(args, message):
     r = sparsekv("--e2e", "--model", "tiny-random", "--seq", "100", "--method", "dense,oracle", "--budget", "16",

@@ -22,6 +22,7 @@ import torch
 from ..errors import SparseKVError
 from ..methods import MethodOptions, method_names
 from ..models import LoadedModel, byte_tokenizer, load_model, wire
+from ..selection import check_budget
 from .floor import copy_bandwidth
 from .run import _device, _dtype, result_header
 from .shapes import Shape, from_name
@@ -89,6 +90,9 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
                             f"{', '.join(method_names())}")
     options = MethodOptions.of(options)
     options.check(names)
+    if any(n != "dense" for n in names):  # as `bench` and `eval`: a budget over the context would time dense
+        for seq in seqs:
+            check_budget(budget, seq)
     if shape is not None and model is not None:
         raise SparseKVError("give --shape or --model, not both")
     dt = _dtype(dtype)
