@@ -296,7 +296,6 @@ def test_debug_shows_the_traceback(tmp_path):
     assert r.returncode == 2 and "is a folder" in r.stderr  # bad input stays one line with --debug too
 
 
-
 def _main_raising(error, monkeypatch, capsys) -> tuple[int, list[str]]:
     """cli.main on a command (`plot`) whose work raises `error`: (exit code, the non-blank stderr lines)."""
     from sparsekv import cli
