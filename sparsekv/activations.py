@@ -247,6 +247,12 @@ def next_dump_dir(root: str | Path, lm: LoadedModel) -> Path:
 Progress = Callable[[int, int], Any]  # callback(tokens_done, tokens_total)
 
 
+def check_seq_len(seq_len: int) -> None:
+    """A dump's sequence length: fewer keys than MIN_LAST_SEQ give the offline stages nothing to pair."""
+    if seq_len < MIN_LAST_SEQ:
+        raise SparseKVError(f"--seq must be at least {MIN_LAST_SEQ} tokens, got {seq_len}")
+
+
 @torch.no_grad()
 def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_dir: str | Path, *,
                      seq_len: int = 2048, queries_per_seq: int = 256, seed: int = 0,
@@ -260,8 +266,7 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
     """
     out_dir = Path(out_dir)
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
-    if seq_len < MIN_LAST_SEQ:  # fewer keys than this give the offline stages nothing to pair
-        raise SparseKVError(f"--seq must be at least {MIN_LAST_SEQ} tokens, got {seq_len}")
+    check_seq_len(seq_len)
     if queries_per_seq < 1:
         raise SparseKVError(f"queries_per_seq must be positive, got {queries_per_seq}")
     if lm.max_context and seq_len > lm.max_context:

@@ -438,15 +438,14 @@ def dump(
     dtype: DtypeOpt = "auto",
 ):
     """Record pre- and post-RoPE keys (and sampled queries) per layer and KV head, for the offline stages."""
-    from .activations import MIN_LAST_SEQ, dump_activations, text_tokens
+    from .activations import check_seq_len, dump_activations, text_tokens
 
     seq = seq if seq_len is None else seq_len
     if (text_file is None) == (dataset is None):
         raise SparseKVError("give exactly one of --text-file or --dataset")
     if tokens <= 0 or seq <= 0 or queries <= 0:
         raise SparseKVError("--tokens, --seq and --queries must be positive")
-    if seq < MIN_LAST_SEQ:
-        raise SparseKVError(f"--seq must be at least {MIN_LAST_SEQ} tokens, got {seq}")
+    check_seq_len(seq)  # before the model loads (dump_activations checks it again for library callers)
     if out.exists():
         raise SparseKVError(f"{out} already exists: choose a new folder")
     validate.model_checks(model, seqs=[seq])
@@ -895,7 +894,8 @@ def _out_of_memory(e: Exception) -> bool:
 
 def main() -> None:
     """Exit codes: 0 ok, 1 a check found problems (`artifacts verify`/`list`) or an unexpected error, 2 bad input
-    (one `error:` line; parse errors and out of memory included), 130 interrupted. `--debug` (anywhere) shows tracebacks."""
+    (one `error:` line; parse errors and out of memory included), 130 interrupted. `--debug` (anywhere) shows
+    tracebacks."""
     debug = "--debug" in sys.argv[1:]
     if debug:
         sys.argv.remove("--debug")
