@@ -346,6 +346,8 @@ def demo(
     from .methods import MethodOptions
 
     t0 = time.perf_counter()
+    # --n, --budget and --seq fail here, before the model loads and Adamas calibrates
+    EvalConfig("passkey", ["dense", "oracle", "streaming"], [validate.budget(budget)], [seq], n, seed=42).check()
     validate.model_checks("smollm2-135m", seqs=[seq])
     lm = _load("smollm2-135m", device, "auto")
     console.print(f"model: {lm.name} ({lm.num_layers} layers, {lm.q_heads} query / {lm.kv_heads} KV heads, "
@@ -579,23 +581,18 @@ def train_hash(
 ):
     """Train Spotlight Attention's MLP hashes (one per layer and KV head, the paper's ranking loss) on a dump and
     write them as an artifact for `--method spotlight --artifact ...`."""
-    from .methods.base import margin_option
-    from .train_hash import fit_hashes
+    from .train_hash import check_options, fit_hashes
 
     dev = validate.device(device)
-    if not 0 < pruning < 1:
-        raise SparseKVError(f"--pruning must be in (0, 1), got {pruning}")
-    if query_margin is not None:  # before the dump loads
-        margin_option(query_margin, "--query-margin")
+    options = dict(layers=_csv(layers, int, "layers") or None, nbits=bits, hidden=hidden, iters=iters,
+                   keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr, queries_per_step=queries_per_step,
+                   negatives=negatives, pooling=pooling, holdout=holdout, heldout_queries=heldout_queries,
+                   eval_every=eval_every, patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every,
+                   linear=linear, seed=seed, query_margin=query_margin, device=dev)
+    check_options(**options)  # before the dump is read and hashed
     data = _dump(acts, model, dev)
-    chosen = _csv(layers, int, "layers")
     with _progress() as progress, _resumable("train-hash"):
-        path, report = fit_hashes(
-            data, out, resume=resume, progress=progress, layers=chosen or None, nbits=bits, hidden=hidden,
-            iters=iters, keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr,
-            queries_per_step=queries_per_step, negatives=negatives, pooling=pooling, holdout=holdout,
-            heldout_queries=heldout_queries, eval_every=eval_every, patience=patience, min_delta=min_delta,
-            checkpoint_every=checkpoint_every, linear=linear, seed=seed, query_margin=query_margin, device=dev)
+        path, report = fit_hashes(data, out, resume=resume, progress=progress, **options)
     iou = report["iou"]
     cols = [k for k in ("linear_before", "linear_after", "mlp_before", "mlp_after") if k in iou["mean"]]
     t = Table(title=f"IoU with the exact top {100 * (1 - pruning):g} % of keys on held-out queries "
@@ -659,20 +656,20 @@ def index(
 ):
     """Fit SAAP's index to a dump: spherical k-means of the keys per layer and KV head (faiss), then the query model
     that ranks buckets (the paper's KL objective); written as an artifact for `--method saap --artifact ...`."""
-    from .saap.fit import fit_index
+    from .saap.fit import check_options, fit_index
 
     if method != "saap":
         raise SparseKVError(f"index supports: saap (got {method!r})")
     dev = validate.device(device)
+    options = dict(layers=_csv(layers, int, "layers") or None, clusters=clusters, kmeans_iters=kmeans_iters,
+                   space=space, query_model=query_model, hidden=hidden, iters=iters, lr=lr,
+                   queries_per_step=queries_per_step, gap=gap, min_range=min_range, causal=causal, sink=sink,
+                   probes=probes, holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every,
+                   patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every, seed=seed, device=dev)
+    check_options(**options)  # before the dump is read and hashed
     data = _dump(acts, model, dev)
-    chosen = _csv(layers, int, "layers")
     with _progress() as progress, _resumable("index"):
-        path, report = fit_index(
-            data, out, resume=resume, progress=progress, layers=chosen or None, clusters=clusters,
-            kmeans_iters=kmeans_iters, space=space, query_model=query_model, hidden=hidden, iters=iters, lr=lr,
-            queries_per_step=queries_per_step, gap=gap, min_range=min_range, causal=causal, sink=sink, probes=probes,
-            holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every, patience=patience,
-            min_delta=min_delta, checkpoint_every=checkpoint_every, seed=seed, device=dev)
+        path, report = fit_index(data, out, resume=resume, progress=progress, **options)
     metrics = report["metrics"]
     cols = [c for c in ("kl_before", "kl", "hit_centroids", "hit", "mass_centroids", "mass")
             if c in metrics["mean"]]

@@ -56,7 +56,7 @@ from .errors import SparseKVError
 from .jsonio import device_label
 from .offline import targets
 from .offline.data import DumpExamples, Example
-from .offline.stage import data_record, fit_and_save, fit_layers
+from .offline.stage import check_holdout, data_record, fit_and_save, fit_layers, with_defaults
 from .offline.train import TrainConfig, train
 from .progress import Ticker
 from .selection import CODE_TIES
@@ -231,26 +231,10 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     `query_margin`: after training, the held-out IoU of ternary queries at this margin (default: the method's,
     0.35) is measured beside that of binary ones, and the better margin goes into the config, which `spotlight`
     takes as its default (0 compares nothing: binary queries)."""
-    from .methods.base import margin_option
-    from .methods.spotlight import Spotlight
-
-    margin = margin_option(Spotlight.default_query_margin if query_margin is None else query_margin,
-                           "--query-margin")
-    for name, v in (("--bits", nbits), ("--hidden", hidden)):
-        if v < 16 or v % 16:
-            raise SparseKVError(f"{name} must be a positive multiple of 16, got {v}")
-    if arch != "mlp":
-        raise SparseKVError("train-hash fits the MLP hash (arch mlp); the linear one is trained with --linear")
-    for name, v in (("--gamma", gamma), ("--alpha", alpha), ("--beta", beta)):
-        if not math.isfinite(v) or v <= 0:
-            raise SparseKVError(f"{name} must be a positive number, got {v}")
-    if queries_per_step < 1 or heldout_queries < 1 or negatives < 0:
-        raise SparseKVError("--queries-per-step and --heldout-queries must be >= 1, --negatives >= 0")
+    options = dict(locals())
+    del options["acts"]
+    cfg, margin = check_options(**options)
     layers = fit_layers(layers, acts.num_layers)
-    cfg = TrainConfig(iters=iters, lr=lr, checkpoint_every=checkpoint_every, seed=seed,
-                      eval_every=eval_every or max(1, iters // 8), best_by="iou" if patience else "",
-                      best_mode="max", patience=patience, min_delta=min_delta)
-    cfg.check()
     t0 = time.perf_counter()
     tick = Ticker(progress, len(layers), "load dump")
     data = DumpExamples(acts, layers, holdout=holdout, device=device, progress=tick.advance, min_keys=2)
@@ -303,6 +287,37 @@ def train_hashes(acts: Activations, *, layers: Sequence[int] | None = None, nbit
     tensors = {"w1": model.w1.detach().float().cpu().contiguous(), "b1": model.b1.detach().float().cpu().contiguous(),
                "w2": model.w2.detach().float().cpu().contiguous(), "layers": torch.tensor(list(layers))}
     return tensors, config, report
+
+
+def check_options(**options: Any) -> tuple[TrainConfig, float]:
+    """train_hashes' checks that need no dump (`train-hash` runs them before it reads one), one SparseKVError line
+    naming the option; -> the training loop's config and the query margin to compare with binary queries."""
+    from .methods.base import margin_option
+    from .methods.spotlight import Spotlight
+
+    o = with_defaults(train_hashes, options)
+    margin = margin_option(Spotlight.default_query_margin if o["query_margin"] is None else o["query_margin"],
+                           "--query-margin")
+    for name, v in (("--bits", o["nbits"]), ("--hidden", o["hidden"])):
+        if v < 16 or v % 16:
+            raise SparseKVError(f"{name} must be a positive multiple of 16, got {v}")
+    if o["arch"] != "mlp":
+        raise SparseKVError("train-hash fits the MLP hash (arch mlp); the linear one is trained with --linear")
+    for name, v in (("--gamma", o["gamma"]), ("--alpha", o["alpha"]), ("--beta", o["beta"])):
+        if not math.isfinite(v) or v <= 0:
+            raise SparseKVError(f"{name} must be a positive number, got {v}")
+    if o["queries_per_step"] < 1 or o["heldout_queries"] < 1 or o["negatives"] < 0:
+        raise SparseKVError("--queries-per-step and --heldout-queries must be >= 1, --negatives >= 0")
+    if o["pooling"] not in POOLINGS:
+        raise SparseKVError(f"--pooling must be group or head, got {o['pooling']!r}")
+    if not 0 < o["keep"] < 1:
+        raise SparseKVError(f"--pruning must be in (0, 1), got {1 - o['keep']:g}")
+    check_holdout(o["holdout"], o["patience"])
+    cfg = TrainConfig(iters=o["iters"], lr=o["lr"], checkpoint_every=o["checkpoint_every"], seed=o["seed"],
+                      eval_every=o["eval_every"] or max(1, o["iters"] // 8), best_by="iou" if o["patience"] else "",
+                      best_mode="max", patience=o["patience"], min_delta=o["min_delta"])
+    cfg.check()
+    return cfg, margin
 
 
 def fit_hashes(acts: Activations, root: str | Path, *, resume: bool = False, version: str | None = None,

@@ -115,3 +115,16 @@ def test_patience_needs_a_metric():
         TrainConfig(patience=2).check()
     with pytest.raises(SparseKVError, match="patience"):
         TrainConfig(best_by="kl", best_mode="lowest").check()
+
+
+@pytest.mark.parametrize("cfg,message", [
+    (dict(lr=0.0), "--lr must be a finite number > 0, got 0.0"),
+    (dict(lr=float("nan")), "--lr must be a finite number > 0, got nan"),
+    (dict(min_lr=-1.0), "min_lr must be a finite number >= 0, got -1.0"),
+    (dict(eval_every=-1), "--checkpoint-every and --eval-every must be >= 0, got 512 and -1"),
+    (dict(iters=0), "--iters must be >= 1, got 0"),
+])
+def test_each_bad_setting_is_named(cfg, message):
+    with pytest.raises(SparseKVError) as e:
+        TrainConfig(**cfg).check()
+    assert message in str(e.value)

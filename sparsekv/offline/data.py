@@ -47,7 +47,7 @@ class DumpExamples:
         if not layers:
             raise SparseKVError("no layers to fit")
         if not 0 <= holdout < 1:
-            raise SparseKVError(f"holdout must be in [0, 1), got {holdout}")
+            raise SparseKVError(f"--holdout must be in [0, 1), got {holdout}")
         self.acts, self.layers, self.device = acts, list(layers), torch.device(device)
         suffix = "pre" if pre_rope else "post"
         qs, ks = [], []

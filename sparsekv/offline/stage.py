@@ -4,6 +4,7 @@ the checkpoint folder of a run in progress, and the versioned artifact at the en
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -24,6 +25,22 @@ def fit_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
     if len(set(layers)) != len(layers):
         raise SparseKVError("--layers lists a layer twice")
     return sorted(int(x) for x in layers)
+
+
+def with_defaults(fit: Callable, options: dict) -> dict:
+    """A stage function's options as it would run them: those given, then its defaults."""
+    bound = inspect.signature(fit).bind_partial(**options)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def check_holdout(holdout: float, patience: int) -> None:
+    """A held-out share in [0, 1); none held out leaves nothing to stop on but the fitted sequences."""
+    if not 0 <= holdout < 1:
+        raise SparseKVError(f"--holdout must be in [0, 1), got {holdout}")
+    if holdout == 0 and patience:
+        raise SparseKVError("--holdout 0 holds no sequence out, so --patience would stop the run on the sequences it "
+                            "fits: give --patience 0 too, or a --holdout above 0")
 
 
 def data_record(acts: Activations) -> dict:
@@ -62,5 +79,7 @@ def fit_and_save(acts: Activations, root: str | Path, method: str, stage: str, f
     identity = {"stage": stage, "options": {k: v for k, v in sorted(options.items()) if k != "device"},
                 "data": data_record(acts)}
     work = checkpoint_dir(root, acts, method, identity)
+    if resume and not work.is_dir():  # before the dump's tensors load
+        raise SparseKVError(f"--resume: no checkpoint at {work}; run without --resume")
     tensors, config, report = fit(acts, work=work, resume=resume, progress=progress, **options)
     return save_stage(root, acts, method, tensors, config, report, version=version, work=work), report

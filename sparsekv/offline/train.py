@@ -56,10 +56,15 @@ class TrainConfig:
     def check(self) -> None:
         if self.iters < 1:
             raise SparseKVError(f"--iters must be >= 1, got {self.iters}")
-        if not (math.isfinite(self.lr) and self.lr > 0) or not (math.isfinite(self.min_lr) and 0 <= self.min_lr):
-            raise SparseKVError(f"learning rates must be finite, lr > 0 and min_lr >= 0; got {self.lr}, {self.min_lr}")
-        if self.warmup < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
-            raise SparseKVError("warmup, checkpoint_every and eval_every must be >= 0")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise SparseKVError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr):
+            raise SparseKVError(f"min_lr must be a finite number >= 0, got {self.min_lr}")
+        if self.checkpoint_every < 0 or self.eval_every < 0:
+            raise SparseKVError(f"--checkpoint-every and --eval-every must be >= 0, got {self.checkpoint_every} and "
+                                f"{self.eval_every}")
+        if self.warmup < 0:
+            raise SparseKVError(f"warmup must be >= 0, got {self.warmup}")
         if self.optimizer not in ("adamw", "adam"):
             raise SparseKVError(f"optimizer must be adamw or adam, got {self.optimizer!r}")
         if self.patience < 0:

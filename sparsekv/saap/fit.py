@@ -41,7 +41,7 @@ from ..activations import Activations
 from ..errors import SparseKVError
 from ..jsonio import device_label
 from ..offline.data import DumpExamples
-from ..offline.stage import data_record, fit_and_save, fit_layers
+from ..offline.stage import check_holdout, data_record, fit_and_save, fit_layers, with_defaults
 from ..offline.train import TrainConfig, train
 from ..progress import Ticker
 from .kmeans import clusters_for, spherical_kmeans
@@ -58,6 +58,33 @@ def default_ranges(seq_len: int) -> tuple[int, int]:
     return gap, max(1, min(1024, gap // 2))
 
 
+def check_options(**options: Any) -> TrainConfig:
+    """index_keys' checks that need no dump (`index` runs them before it reads one), one SparseKVError line naming
+    the option; -> the Q-model training loop's config. What depends on the dump's lengths is checked with it."""
+    o = with_defaults(index_keys, options)
+    if o["space"] not in ("pre", "post"):
+        raise SparseKVError(f"--space must be pre or post, got {o['space']!r}")
+    for name, key in (("--clusters", "clusters"), ("--kmeans-iters", "kmeans_iters"), ("--hidden", "hidden"),
+                      ("--queries-per-step", "queries_per_step"), ("--heldout-queries", "heldout_queries"),
+                      ("--probes", "probes")):
+        if o[key] is not None and o[key] < 1:
+            raise SparseKVError(f"{name} must be >= 1, got {o[key]}")
+    if o["probes"] is not None and o["probes"] > o["clusters"]:
+        raise SparseKVError(f"--probes {o['probes']} is more than the {o['clusters']} buckets (--clusters)")
+    if o["sink"] < 0:
+        raise SparseKVError(f"--sink must be >= 0, got {o['sink']}")
+    if (o["gap"] is not None and o["gap"] < 1) or (o["min_range"] is not None and o["min_range"] < 0):
+        raise SparseKVError(f"--gap must be >= 1 and --min-range >= 0, got {o['gap']} and {o['min_range']}")
+    patience = o["patience"] if o["query_model"] else 0  # nothing is trained without a Q-model
+    check_holdout(o["holdout"], patience)
+    cfg = TrainConfig(iters=o["iters"], lr=o["lr"], min_lr=o["lr"], warmup=0, optimizer="adam", betas=(0.9, 0.999),
+                      weight_decay=0.0, clip=None, checkpoint_every=o["checkpoint_every"],
+                      eval_every=o["eval_every"] or max(1, o["iters"] // 16), seed=o["seed"], tf32=True,
+                      best_by="kl" if patience else "", patience=patience, min_delta=o["min_delta"])
+    cfg.check()
+    return cfg
+
+
 def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, clusters: int = 1024,
                kmeans_iters: int = 10, space: str = "pre", query_model: bool = True, hidden: int = 1024,
                iters: int = 40000, lr: float = 1e-5, queries_per_step: int = 1000, gap: int | None = None,
@@ -70,31 +97,17 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
     [L, Hkv, C, D], layers [L]} and, with a Q-model, {"query_model": w1 [L, Hkv, D, M], b1 [L, Hkv, M], w2
     [L, Hkv, M, C], b2 [L, Hkv, C]} (batch norm folded into w1, b1; fp32). `work`: the checkpoint folder
     (sparsekv.offline.stage.checkpoint_dir); `resume`: continue the run saved there."""
-    if space not in ("pre", "post"):
-        raise SparseKVError(f"--space must be pre or post, got {space!r}")
-    for name, v in (("--clusters", clusters), ("--kmeans-iters", kmeans_iters), ("--hidden", hidden),
-                    ("--queries-per-step", queries_per_step), ("--heldout-queries", heldout_queries),
-                    ("--probes", 1 if probes is None else probes)):
-        if v < 1:
-            raise SparseKVError(f"{name} must be >= 1, got {v}")
-    if sink < 0:
-        raise SparseKVError(f"--sink must be >= 0, got {sink}")
+    options = dict(locals())
+    del options["acts"]
+    cfg = check_options(**options)
     layers = fit_layers(layers, acts.num_layers)
     auto_gap, auto_min = default_ranges(max(acts.seq_lengths))
     gap, min_range = auto_gap if gap is None else gap, auto_min if min_range is None else min_range
-    if gap < 1 or min_range < 0:
-        raise SparseKVError(f"--gap must be >= 1 and --min-range >= 0, got {gap} and {min_range}")
     reach = max(acts.seq_lengths) - 1 - sink  # the farthest (query, key) pair a sequence holds, sinks left out
     if max(gap, min_range) > reach:
         raise SparseKVError(f"--gap {gap}, --min-range {min_range} and --sink {sink}: the dump's sequences of at most "
                             f"{max(acts.seq_lengths)} tokens hold no pair that far apart (at most {max(reach, 0)}); "
                             f"lower them or dump longer sequences (--seq)")
-    cfg = TrainConfig(iters=iters, lr=lr, min_lr=lr, warmup=0, optimizer="adam", betas=(0.9, 0.999),
-                      weight_decay=0.0, clip=None, checkpoint_every=checkpoint_every,
-                      eval_every=eval_every or max(1, iters // 16), seed=seed, tf32=True,
-                      best_by="kl" if query_model and patience else "", patience=patience if query_model else 0,
-                      min_delta=min_delta)
-    cfg.check()
     t0 = time.perf_counter()
     tick = Ticker(progress, len(layers), "load dump")
     data = DumpExamples(acts, layers, pre_rope=space == "pre", with_post=True, holdout=holdout, device=device,
