@@ -291,6 +291,7 @@ def eval_cmd(
                      haystack_file=haystack_file, text_file=text_file, dataset=dataset, prefill=prefill, acts=acts,
                      max_queries=max_queries, min_context=min_context)
     cfg.check()  # bad input fails before the model loads
+    validate.distinct_outputs({"--json": json_out, "--plot": plot})
     cfg.check_model(model)  # and what needs its config (not its weights) or the dump
     if plot is not None:
         from .plotting import require_matplotlib
@@ -726,12 +727,14 @@ def bench(
 
     if shape is not None and model is not None:
         raise SparseKVError("give --shape or --model, not both")
-    method = method if methods is None else methods
+    # an entry given twice is refused, as eval refuses it (it would be timed twice, or merged without a word)
+    method = validate.csv(method if methods is None else methods, str, "--method", unique=True, required=True)
+    validate.distinct_outputs({"--json": json_out, "--plot": plot})
     if plot is not None:
         require_matplotlib()  # fail before minutes of timing, not after
     budgets = validate.budgets(budget)
-    seqs = _csv(seq, int, "seq")
-    batches = _csv(batch, int, "batch")
+    seqs = validate.csv(seq, int, "--seq", unique=True)
+    batches = validate.csv(batch, int, "--batch", unique=True)
     if not seqs:
         raise SparseKVError("give at least one --seq")
     if not e2e and (len(batches) != 1 or prefill_chunk is not None):

@@ -227,6 +227,19 @@ def plot_file(path: Path | None, option: str = "--plot") -> Path | None:
     return path
 
 
+def distinct_outputs(paths: dict[str, Path | None]) -> None:
+    """A command's output files ({option: path}), no file named by two options: the last one written would replace
+    the other."""
+    seen: dict[Path, str] = {}
+    for option, path in paths.items():
+        if path is None:
+            continue
+        key = Path(path).resolve()
+        if key in seen:
+            raise SparseKVError(f"{seen[key]} and {option} name the same file ({path}): give two names")
+        seen[key] = option
+
+
 def output_folder(path: Path, option: str = "--out") -> Path:
     """A folder we will create or add to: not an existing file, and writable (or creatable) where it goes."""
     path = Path(path)

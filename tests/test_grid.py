@@ -44,6 +44,15 @@ def test_progress_callback_counts_every_sample(tiny):
     assert cells_payload(results[:1], 1) == results[0] and cells_payload(results, 2) == results
 
 
+def test_a_later_length_too_short_fails_before_the_first_cell(tiny, monkeypatch):
+    """RULER at --seq 1024,300: 300 cannot hold niah_multikey_1's prompt, which fails before 1024's cells run."""
+    ran = []
+    monkeypatch.setattr(grid, "run_grid", lambda *a, **k: ran.append(a) or [])
+    with pytest.raises(SparseKVError, match="seq 300 is too short for RULER subtask niah_multikey_1"):
+        evaluate(tiny, EvalConfig("ruler", ["dense"], [16], [1024, 300], n=2, subtasks="niah_multikey_1"))
+    assert ran == []
+
+
 def test_ppl_runs_dense_beside_sparse_and_scores_against_it(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog while the cat sleeps. " * 40)
@@ -69,6 +78,7 @@ def test_recall_leaves_out_queries_the_budget_covers(tiny, tmp_path):
     (EvalConfig("ppl", seqs=[96]), "exactly one of --text-file or --dataset"),
     (EvalConfig("ppl", seqs=[96], dataset="pg19", prefill=96), "--prefill must be in (0, 96)"),
     (EvalConfig("recall"), "needs --acts"),
+    (EvalConfig("recall", ["dense", "oracle"], acts="d"), "dense reads every key (a recall of 1 by definition)"),
     (EvalConfig(methods=["nope"]), "unknown method 'nope'"),
     (EvalConfig(methods=["oracle"], budgets=[400], seqs=[300]), "larger than the context"),
     (EvalConfig(methods=["oracle"], options=MethodOptions(bits=1)), "--bits apply to none of the methods oracle"),

@@ -247,6 +247,13 @@ def test_too_short_seq_is_one_clear_error(tok):
         make_samples(tok, 100, 1, subtasks="niah_single_1")
     with pytest.raises(SparseKVError, match="too short for RULER subtask cwe"):
         make_samples(tok, 4096, 1, subtasks="cwe")  # byte tokens: the 10 x 30 common entries alone overflow
+    # several subtasks too short: one error names each one's need and the length that fits them all
+    with pytest.raises(SparseKVError) as e:
+        make_samples(tok, 600, 1, subtasks="niah_single_1,niah_multikey_1,niah_multivalue")
+    msg = str(e.value)
+    needs = [int(x) for x in re.findall(r"\(needs seq >= (\d+)\)", msg)]
+    assert "\n" not in msg and msg.startswith("seq 600 is too short for RULER subtasks niah_multikey_1 (needs"), msg
+    assert len(needs) >= 2 and min(needs) > 600 and f"use --seq {max(needs)} or more" in msg, msg
 
 
 def test_prefix_space_tokenizer_still_fits(tmp_path):

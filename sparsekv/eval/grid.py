@@ -85,6 +85,9 @@ class EvalConfig:
             resolve_subtasks(self.subtasks)
         if self.task == "recall" and self.acts is None:
             raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
+        if self.task == "recall" and "dense" in self.methods:
+            raise SparseKVError("--task recall scores sparse methods: dense reads every key (a recall of 1 by "
+                                "definition); give the methods to score (--method), each shown beside the oracle at its budget")
         if self.task == "ppl":
             for L in self.seqs:
                 prefill_len(L, self.prefill)
@@ -197,6 +200,11 @@ def _generation(lm: LoadedModel, cfg: EvalConfig, tick: Ticker, checkpoint: str 
             write_json(checkpoint, cells_payload([{**c, **stamp} for c in results + cells], len(specs) * len(cfg.seqs)))
             last_save = time.perf_counter()
 
+    # every later length's prompts must fit too: checked on their first prompt before the first cell runs (their
+    # whole sets are made when reached, so one length's prompts are held at a time)
+    for L in cfg.seqs[1:]:
+        tick.update(label=f"{cfg.task} seq={L}: checking the prompts fit")
+        make_samples(lm, cfg.task, L, 1, cfg.seed, task_options)
     for L in cfg.seqs:
         tick.update(label=f"{cfg.task} seq={L}: making prompts")
         samples, skipped = make_samples(lm, cfg.task, L, cfg.n, cfg.seed, task_options)
@@ -235,7 +243,7 @@ def _recall(lm: LoadedModel, cfg: EvalConfig, tick: Ticker) -> list[dict]:
     acts = load_activations(cfg.acts, lm)
     dense = check_recall_layers(cfg.dense_layers, acts.num_layers)
     min_context = default_min_context(cfg.budgets) if cfg.min_context is None else cfg.min_context
-    specs = specs_for([m for m in cfg.methods if m != "dense"] or ["oracle"], cfg.budgets, [acts.seq_lengths[0]],
+    specs = specs_for(cfg.methods, cfg.budgets, [acts.seq_lengths[0]],
                       cfg.options)
     tick.update(label=f"recall on {cfg.acts} ({len(specs)} method/budget cells)",
                 total=(acts.num_layers - len(set(dense))) * len(query_rows(acts, cfg.max_queries, min_context)))

@@ -40,8 +40,12 @@ def skipped_subtasks(subtasks=None) -> dict[str, str]:
             if CONFIGS[name]["task"] == "qa" and (why := qa.unavailable(name))}
 
 
-def _too_short(name: str, seq_len: int, prompt: int, gen: int) -> SparseKVError:
-    return SparseKVError(f"seq {seq_len} is too short for RULER subtask {name}: its shortest prompt is {prompt} "
+class TooShort(SparseKVError):
+    """A length below a subtask's shortest prompt plus its generation; `needs`: the shortest length that fits."""
+
+    def __init__(self, name: str, seq_len: int, prompt: int, gen: int):
+        self.subtask, self.needs = name, prompt + gen
+        super().__init__(f"seq {seq_len} is too short for RULER subtask {name}: its shortest prompt is {prompt} "
                          f"tokens and {gen} are generated (needs seq >= {prompt + gen})")
 
 
@@ -106,7 +110,7 @@ class _Fitter:
 
         if self.start is None:  # first sample: anchor on the smallest prompt, which must fit
             if full(lo) > budget:
-                raise _too_short(gen.name, self.seq_len, full(lo), gen.tokens_to_generate)
+                raise TooShort(gen.name, self.seq_len, full(lo), gen.tokens_to_generate)
             self.delta, self.start = full(lo) - approx(lo), lo
             probe = lo + 16 if hi is None else min(hi, lo + 16)  # tokens per unit, so the first jump lands near
             if probe > lo:
@@ -136,7 +140,7 @@ class _Fitter:
         if ok is None:  # the prediction kept missing: search on exact lengths
             ok, _ = largest_fitting(full, budget, start, lo, hi, self.slope)
             if ok is None:
-                raise _too_short(gen.name, self.seq_len, full(lo), gen.tokens_to_generate)
+                raise TooShort(gen.name, self.seq_len, full(lo), gen.tokens_to_generate)
         self.delta, self.start = delta, ok
         full(ok)
         ids, template, r = exact[ok]
@@ -169,6 +173,7 @@ def make_samples(tokenizer, seq_len: int, n: int, seed: int = 42, subtasks=None,
     essay = load_essay(haystack_file) if haystack_file is not None else None
     samples: list[Sample] = []
     skipped: dict[str, str] = {}
+    short: list[TooShort] = []
     for name in names:
         budget = seq_len - tokens_to_generate(name)
         if budget <= 0:
@@ -179,5 +184,14 @@ def make_samples(tokenizer, seq_len: int, n: int, seed: int = 42, subtasks=None,
         except qa.QAUnavailable as e:
             skipped[name] = str(e)
             continue
-        samples.extend(_subtask_samples(gen, tokenizer, seq_len, budget, n, seed))
+        try:
+            samples.extend(_subtask_samples(gen, tokenizer, seq_len, budget, n, seed))
+        except TooShort as e:  # the other subtasks are measured too: one error names every length needed
+            short.append(e)
+    if len(short) == 1:
+        raise short[0]
+    if short:
+        raise SparseKVError(f"seq {seq_len} is too short for RULER subtasks "
+                            + ", ".join(f"{e.subtask} (needs seq >= {e.needs})" for e in short)
+                            + f": use --seq {max(e.needs for e in short)} or more, or leave them out (--subtasks)")
     return samples, skipped
