@@ -216,9 +216,24 @@ def check_fingerprint(path: Path, recorded: dict, expected: dict) -> None:
     """One line naming every fingerprint field that differs between the dump and the current model."""
     diffs = [f"{k} {_short(recorded.get(k, '<missing>'))} != {_short(v)}"
              for k, v in expected.items() if recorded.get(k, "<missing>") != v]
+    if diffs and all(d.startswith("weights_sha256 ") for d in diffs):  # the same name and shapes
+        raise ArtifactError(f"activations at {path} were dumped from other weights (dump != current): {diffs[0]}; "
+                            f"the same model loaded in fp16 hashes differently from bf16 or fp32, and the dump's "
+                            f"model ran in {_dump_model_dtype(path)}")
     if diffs:
         raise ArtifactError(f"activations at {path} were dumped from another model (dump != current): "
                             + ", ".join(diffs))
+
+
+def _dump_model_dtype(path: Path) -> str:
+    """The dtype the dump's model ran in, from its report ("unknown" where it is not recorded)."""
+    try:
+        report = artifacts.read_manifest(path).get("report") or {}
+    except ArtifactError:
+        report = {}
+    name = str(report.get("model_dtype", "unknown")).removeprefix("torch.")
+    flag = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(name)
+    return f"{name} (--dtype {flag})" if flag else name
 
 
 def _short(v: Any) -> str:

@@ -153,6 +153,15 @@ def test_fingerprint_mismatch_is_one_clear_line(dump):
     assert "\n" not in msg and "another model" in msg and "weights_sha256" in msg and "seed=1" in msg
 
 
+def test_a_dump_of_the_same_model_in_another_dtype_says_so(dump):
+    """Only the weights hash differs (an fp16 load rounds twice): the message names the dump's dtype."""
+    with pytest.raises(ArtifactError) as e:
+        load_activations(dump.path, tiny_random(dtype=torch.float16))
+    msg = str(e.value)
+    assert "\n" not in msg and "dumped from other weights" in msg and "weights_sha256" in msg, msg
+    assert "the dump's model ran in float32 (--dtype fp32)" in msg, msg
+
+
 def test_corrupted_layer_is_caught(lm, tokens, tmp_path):
     path = dump_activations(lm, tokens[:100], tmp_path / "d", seq_len=SEQ, queries_per_seq=4)
     f = path / "layer_001.safetensors"
