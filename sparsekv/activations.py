@@ -8,6 +8,10 @@ Keys are recorded for every token, queries only at `queries_per_seq` seeded rand
 offline stages need all keys a query competes over, and the queries are what their losses average over. Each
 sequence is one dense forward from position 0 through a SparseCache whose `recorder` sees the post-RoPE q/k of
 every layer; pre-RoPE q/k are the same tensors rotated back with the model's own rotary tables (in fp32).
+
+`dump_prompts` records eval's prompts (passkey, RULER) the same way, each followed by its teacher-forced reference
+answer, with queries where the answer is produced instead of random ones: `eval --task recall` on it measures a
+method's selection at the steps a task's score depends on.
 """
 
 from __future__ import annotations
@@ -279,61 +283,103 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
     `tokens * layers * 2 * (Hkv + Hq * queries_per_seq / seq_len) * D * bytes(dtype)` bytes.
     `progress`: a rich `Progress` (a task is added and advanced per sequence) or a callable(tokens_done, total).
     """
-    out_dir = Path(out_dir)
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
     check_seq_len(seq_len)
     if queries_per_seq < 1:
         raise SparseKVError(f"queries_per_seq must be positive, got {queries_per_seq}")
     if lm.max_context and seq_len > lm.max_context:
         raise SparseKVError(f"seq_len {seq_len} exceeds the model's context ({lm.max_context} tokens)")
+    seqs = split_sequences(len(ids), seq_len)
+    if not seqs:
+        raise SparseKVError(f"need at least {min(seq_len, MIN_LAST_SEQ)} tokens to dump, got {len(ids)}")
+    # Query positions: one seeded draw per sequence, sorted, so the dump is reproducible from (tokens, seed).
+    gen = torch.Generator().manual_seed(seed)
+    q_local = [torch.randperm(n, generator=gen)[: min(queries_per_seq, n)].sort().values for _, n in seqs]
+    T = sum(n for _, n in seqs)
+    config = {"seq_len": seq_len, "queries_per_seq": queries_per_seq, "seed": seed,
+              "query_sampling": "uniform without replacement per sequence, torch.randperm seeded once"}
+    data = {"source": source, "tokens_given": len(ids), "seq_len": seq_len, "queries_per_seq": queries_per_seq,
+            "seed": seed, "tokens_sha256": hashlib.sha256(ids[:T].numpy().astype("<i8").tobytes()).hexdigest()}
+    return _dump_sequences(lm, [ids[a : a + n] for a, n in seqs], q_local, out_dir, config, data, dtype, progress)
+
+
+@torch.no_grad()
+def dump_prompts(lm: LoadedModel, samples: list, out_dir: str | Path, *, queries_per_seq: int = 8,
+                 dtype: torch.dtype = torch.float16, source: str = "", progress: Any = None) -> Path:
+    """Record the activations of eval prompts (`sparsekv.eval.sample.Sample`s: passkey or RULER) where their answer
+    is produced: each prompt with its reference answer appended (teacher-forced: " " + the references joined by
+    ", ", at most the sample's max_new_tokens), keys of every token, queries at the last prompt token and the
+    answer's tokens before its last (the positions that predict each answer token), the first `queries_per_seq`
+    of them. `eval --task recall` on such a dump scores each method's selection where accuracy is decided.
+    Writes `out_dir` as dump_activations does. Returns `out_dir`."""
+    if queries_per_seq < 1:
+        raise SparseKVError(f"queries_per_seq must be positive, got {queries_per_seq}")
+    if not samples:
+        raise SparseKVError("no prompts to dump")
+    seqs, q_local = [], []
+    for s in samples:
+        answer = lm.tokenizer(" " + ", ".join(s.references), add_special_tokens=False).input_ids[: s.max_new_tokens]
+        ids = torch.tensor(list(s.ids) + answer, dtype=torch.long)
+        if lm.max_context and len(ids) > lm.max_context:
+            raise SparseKVError(f"a prompt and its answer take {len(ids)} tokens, more than {lm.name}'s context "
+                                f"({lm.max_context} tokens)")
+        first = len(s.ids) - 1
+        seqs.append(ids)
+        q_local.append(torch.arange(first, first + min(max(len(answer), 1), queries_per_seq)))
+    lengths = [len(i) for i in seqs]
+    config = {"seq_len": max(lengths), "queries_per_seq": queries_per_seq, "seed": None,
+              "query_sampling": "answer positions: the last prompt token and the teacher-forced reference answer's "
+                                "tokens before its last, the first queries_per_seq of them"}
+    data = {"source": source, "tokens_given": sum(lengths), "seq_len": max(lengths),
+            "queries_per_seq": queries_per_seq, "seed": None, "prompts": len(samples),
+            "subtasks": sorted({s.subtask for s in samples if s.subtask}),
+            "tokens_sha256": hashlib.sha256(torch.cat(seqs).numpy().astype("<i8").tobytes()).hexdigest()}
+    return _dump_sequences(lm, seqs, q_local, out_dir, config, data, dtype, progress)
+
+
+def _dump_sequences(lm: LoadedModel, seqs: list[torch.Tensor], q_local: list[torch.Tensor], out_dir: str | Path,
+                    config: dict, data: dict, dtype: torch.dtype, progress: Any) -> Path:
+    """One dense forward per sequence (token ids), recording keys of every token and queries at `q_local` (sorted
+    positions per sequence); `config` and `data` gain the shapes, counts and patterns, and the dump is written."""
+    out_dir = Path(out_dir)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise SparseKVError(f"dtype must be a torch floating-point dtype, got {dtype!r}")
     if out_dir.exists():
         raise SparseKVError(f"{out_dir} already exists; pick another output folder or delete it")
-    seqs = split_sequences(len(ids), seq_len)
-    if not seqs:
-        raise SparseKVError(f"need at least {min(seq_len, MIN_LAST_SEQ)} tokens to dump, got {len(ids)}")
     patterns = model_patterns(lm.model)  # refuses a model sparsekv cannot run, before any work
     rotary = find_rotary(lm.model)
     if rotary is None:
         raise SparseKVError(f"model {lm.name!r} has no rotary_emb module: cannot recover pre-RoPE q/k")
-
-    # Query positions: one seeded draw per sequence, sorted, so the dump is reproducible from (tokens, seed).
-    gen = torch.Generator().manual_seed(seed)
-    q_local = [torch.randperm(n, generator=gen)[: min(queries_per_seq, n)].sort().values for _, n in seqs]
-    T, S = sum(n for _, n in seqs), sum(len(q) for q in q_local)
+    lengths = [len(ids) for ids in seqs]
+    T, S = sum(lengths), sum(len(q) for q in q_local)
     L, Hkv, Hq, D = lm.num_layers, lm.kv_heads, lm.q_heads, lm.head_dim
 
     buf = [{"k_pre": torch.empty(Hkv, T, D, dtype=dtype), "k_post": torch.empty(Hkv, T, D, dtype=dtype),
             "q_pre": torch.empty(Hq, S, D, dtype=dtype), "q_post": torch.empty(Hq, S, D, dtype=dtype)}
            for _ in range(L)]
-    pos = {"k_pos": torch.cat([torch.arange(n) for _, n in seqs]),
-           "k_seq": torch.cat([torch.full((n,), s, dtype=torch.long) for s, (_, n) in enumerate(seqs)]),
+    pos = {"k_pos": torch.cat([torch.arange(n) for n in lengths]),
+           "k_seq": torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in enumerate(lengths)]),
            "q_pos": torch.cat(q_local),
            "q_seq": torch.cat([torch.full((len(q),), s, dtype=torch.long) for s, q in enumerate(q_local)])}
 
     report = Ticker(progress, T, "dump")
     t0, k_off, q_off = time.perf_counter(), 0, 0
-    for s, (start, n) in enumerate(seqs):
-        seen = _run_sequence(lm, rotary, patterns, ids[start : start + n], q_local[s], buf, k_off, q_off, dtype)
+    for s, ids in enumerate(seqs):
+        seen = _run_sequence(lm, rotary, patterns, ids, q_local[s], buf, k_off, q_off, dtype)
         if sorted(seen) != list(range(L)):
             raise SparseKVError(
                 f"recorded layers {sorted(set(seen))} of {L}: the model does not run the sparsekv attention "
                 f"function on every layer (load it with sparsekv.models.load_model)")
-        k_off, q_off = k_off + n, q_off + len(q_local[s])
-        report.advance(n)
+        k_off, q_off = k_off + len(ids), q_off + len(q_local[s])
+        report.advance(len(ids))
     seconds = time.perf_counter() - t0
 
-    name = str(dtype).removeprefix("torch.")
-    config = {"dtype": name, "seq_len": seq_len, "queries_per_seq": queries_per_seq, "seed": seed,
-              "min_last_seq": MIN_LAST_SEQ, "num_layers": L, "kv_heads": Hkv, "q_heads": Hq, "head_dim": D,
-              "query_sampling": "uniform without replacement per sequence, torch.randperm seeded once",
+    config = {"dtype": str(dtype).removeprefix("torch."), **config, "min_last_seq": MIN_LAST_SEQ, "num_layers": L,
+              "kv_heads": Hkv, "q_heads": Hq, "head_dim": D,
               "pre_rope": "post-RoPE q/k rotated back with the model's rotary tables in fp32",
               # what each layer may attend: offline stages and recall honour the same windows and scores
               "attention": [p.describe() for p in patterns]}
-    data = {"source": source, "tokens": T, "tokens_given": len(ids), "seq_len": seq_len, "sequences": len(seqs),
-            "seq_lengths": [n for _, n in seqs], "queries": S, "queries_per_seq": queries_per_seq, "seed": seed,
-            "tokens_sha256": hashlib.sha256(ids[:T].numpy().astype("<i8").tobytes()).hexdigest()}
+    data = {**data, "tokens": T, "sequences": len(seqs), "seq_lengths": lengths, "queries": S}
     tensors = {POSITIONS: pos, **{layer_stem(i): buf[i] for i in range(L)}}
     nbytes = sum(t.nbytes for named in tensors.values() for t in named.values())
     return _write(lm, out_dir, config, tensors, data, {"seconds": round(seconds, 3), "bytes": nbytes,

@@ -431,30 +431,79 @@ def dump(
     out: Annotated[Path, typer.Option(callback=_OUT, help="output folder (a new version folder; must not exist)")],
     text_file: Annotated[Optional[Path], typer.Option(callback=_TEXT, help="natural text to run the model on")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="a `datasets` name instead of a file (needs a hub)")] = None,
-    tokens: Annotated[int, typer.Option(help="tokens to record")] = 8192,
-    seq: Annotated[int, typer.Option(help="tokens per forward pass (sequence length)")] = 2048,
+    task: Annotated[Optional[str], typer.Option(
+        help="passkey or ruler: record eval's prompts instead of text, with each prompt's queries where its answer "
+             "is produced (the reference answer teacher-forced), for `eval --task recall` at answer time")] = None,
+    subtasks: Annotated[str, typer.Option(help="--task ruler: subtasks or groups, comma-separated (niah, vt, "
+                                          "...)")] = "all",
+    n: Annotated[Optional[int], typer.Option(help="--task: prompts per subtask, as eval's --n (default 10)")] = None,
+    haystack_file: Annotated[Optional[Path], typer.Option(
+        callback=_HAYSTACK, help="--task ruler: essay haystack text, as eval's")] = None,
+    tokens: Annotated[Optional[int], typer.Option(help="tokens of text to record (default 8192)")] = None,
+    seq: Annotated[int, typer.Option(help="tokens per forward pass (sequence length); --task: the prompts' length, "
+                                     "as eval's --seq")] = 2048,
     seq_len: Annotated[Optional[int], typer.Option(hidden=True, help="old spelling of --seq")] = None,
-    queries: Annotated[int, typer.Option(help="query positions sampled per sequence")] = 256,
-    seed: Annotated[int, typer.Option()] = 0,
+    queries: Annotated[Optional[int], typer.Option(
+        help="query positions sampled per sequence (default 256); --task: the first answer positions kept per "
+             "prompt (default 8)")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="the query sample's seed (default 0); --task: eval's data seed "
+                                                "(default 42, eval's: the same prompts)")] = None,
     model: ModelOpt = "smollm2-135m",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
 ):
-    """Record pre- and post-RoPE keys (and sampled queries) per layer and KV head, for the offline stages."""
-    from .activations import check_seq_len, dump_activations, text_tokens
+    """Record pre- and post-RoPE keys (and sampled queries) per layer and KV head, for the offline stages and
+    `eval --task recall`."""
+    from .activations import check_seq_len, dump_activations, dump_prompts, text_tokens
 
     seq = seq if seq_len is None else seq_len
-    if (text_file is None) == (dataset is None):
-        raise SparseKVError("give exactly one of --text-file or --dataset")
-    if tokens <= 0 or seq <= 0 or queries <= 0:
-        raise SparseKVError("--tokens, --seq and --queries must be positive")
-    check_seq_len(seq)  # before the model loads (dump_activations checks it again for library callers)
+    if task is None:
+        given = [o for o, v in (("--subtasks", subtasks != "all"), ("--n", n is not None),
+                                ("--haystack-file", haystack_file is not None)) if v]
+        if given:
+            raise SparseKVError(f"{', '.join(given)}: for --task passkey or ruler")
+        if (text_file is None) == (dataset is None):
+            raise SparseKVError("give exactly one of --text-file, --dataset or --task")
+    else:
+        if task not in ("passkey", "ruler"):
+            raise SparseKVError(f"--task must be passkey or ruler, got {task!r}")
+        given = [o for o, v in (("--text-file", text_file is not None), ("--dataset", dataset is not None),
+                                ("--tokens", tokens is not None)) if v]
+        if given:
+            raise SparseKVError(f"{', '.join(given)}: not with --task (its prompts are the text)")
+        if task == "passkey" and (subtasks != "all" or haystack_file is not None):
+            raise SparseKVError("--subtasks and --haystack-file are for --task ruler")
+        if task == "ruler":
+            from .eval.ruler import resolve_subtasks
+
+            resolve_subtasks(subtasks)
+    tokens, n = 8192 if tokens is None else tokens, 10 if n is None else n
+    queries = (8 if task else 256) if queries is None else queries
+    seed = (42 if task else 0) if seed is None else seed
+    for option, value in (("--tokens", tokens), ("--seq", seq), ("--queries", queries), ("--n", n)):
+        if value <= 0:
+            raise SparseKVError(f"{option} must be positive, got {value}")
+    check_seq_len(seq)  # before the model loads (the library checks it again for its callers)
     if out.exists():
         raise SparseKVError(f"{out} already exists: choose a new folder")
     validate.model_checks(model, seqs=[seq])
     lm = _load(model, device, dtype)
     if lm.max_context and seq > lm.max_context:
         raise SparseKVError(f"--seq {seq} is longer than {lm.name} supports ({lm.max_context} tokens)")
+    if task is not None:
+        from .eval.runner import make_samples
+
+        options = {"subtasks": subtasks, "haystack_file": haystack_file} if task == "ruler" else {}
+        with console.status(f"making {task} prompts ..."):
+            samples, skipped = make_samples(lm, task, seq, n, seed, options)
+        for name, why in skipped.items():
+            console.print(f"skipped {name}: {why}", soft_wrap=True)
+        source = f"{task} prompts: seq {seq}, n {n}, seed {seed}" + (
+            f", subtasks {subtasks}, haystack {haystack_file or 'noise'}" if task == "ruler" else "")
+        with _progress() as progress:
+            path = dump_prompts(lm, samples, out, queries_per_seq=queries, source=source, progress=progress)
+        console.print(f"wrote activations of {len(samples)} prompts to {path}")
+        return
     ids = text_tokens(lm, text_file=text_file, dataset=dataset, tokens=tokens)
     with _progress() as progress:
         path = dump_activations(lm, ids, out, seq_len=seq, queries_per_seq=queries, seed=seed,

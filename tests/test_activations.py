@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsekv import artifacts
-from sparsekv.activations import dump_activations, load_activations, split_sequences, text_tokens
+from sparsekv.activations import dump_activations, dump_prompts, load_activations, split_sequences, text_tokens
 from sparsekv.artifacts import ArtifactError
 from sparsekv.errors import SparseKVError
 from sparsekv.models import cache_kwarg, load_model, tiny_random
@@ -114,6 +114,33 @@ def test_keys_and_queries_match_plain_hf_forward(dump, tokens):
             at = d["q_pos"][qrows]
             close(d["q_post"][:, qrows], q_post[0][:, at], f"seq {s} layer {i} q_post")
             close(d["q_pre"][:, qrows], q_pre[0][:, at], f"seq {s} layer {i} q_pre")
+
+
+def test_prompts_are_recorded_where_their_answer_is_produced(lm, tmp_path):
+    """dump_prompts: each prompt with its reference answer appended, queries at the last prompt token and the
+    answer's tokens before its last (the first queries_per_seq of them); the q/k are the plain forward's."""
+    from sparsekv.eval import passkey
+
+    samples = passkey.make_samples(lm.tokenizer, 300, 2, seed=5)
+    acts = load_activations(dump_prompts(lm, samples, tmp_path / "p", queries_per_seq=3, source="passkey"))
+    answers = [lm.tokenizer(" " + s.answer, add_special_tokens=False).input_ids for s in samples]
+    assert all(len(a) > 3 for a in answers)  # byte tokens: the answer is longer than the queries kept
+    assert acts.seq_lengths == [len(s.ids) + len(a) for s, a in zip(samples, answers)]
+    pos = acts.positions()
+    for j, s in enumerate(samples):
+        assert pos["q_pos"][pos["q_seq"] == j].tolist() == [len(s.ids) - 1, len(s.ids), len(s.ids) + 1]
+    assert acts.data["prompts"] == 2 and acts.data["source"] == "passkey" and acts.data["seed"] is None
+    assert acts.config["query_sampling"].startswith("answer positions")
+    ids = list(samples[1].ids) + answers[1]
+    _, pkv, proj, cos, sin = plain_forward(ids)
+    d = acts.layer(1)
+    close(d["k_post"][:, d["k_seq"] == 1], pkv.layers[1].keys[0], "k_post")
+    q_pre = heads(proj[1, "q_proj"], 6, 20)
+    q_post, _ = apply_rotary_pos_emb(q_pre, q_pre, cos, sin)
+    rows = d["q_seq"] == 1
+    close(d["q_post"][:, rows], q_post[0][:, d["q_pos"][rows]], "q_post")
+    with pytest.raises(SparseKVError, match="no prompts to dump"):
+        dump_prompts(lm, [], tmp_path / "none")
 
 
 def test_seeded_and_reproducible(lm, tokens, tmp_path, dump):

@@ -137,6 +137,14 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--iters", "3", "--resume"], "--resume: no checkpoint"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--space", "rope"], "--space must be pre or post"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--method", "ivf"], "index supports: saap"),
+    # dump of eval prompts: options of the other kind, a task it cannot dump, a misspelt subtask
+    (["dump", *TINY, "--task", "ruler", "--text-file", "{fx}/t.txt", "--out", "{tmp}/d"],
+     "--text-file: not with --task"),
+    (["dump", *TINY, "--n", "3", "--text-file", "{fx}/t.txt", "--out", "{tmp}/d"], "--n: for --task passkey or ruler"),
+    (["dump", *TINY, "--task", "ppl", "--out", "{tmp}/d"], "--task must be passkey or ruler, got 'ppl'"),
+    (["dump", *TINY, "--task", "ruler", "--subtasks", "nope", "--out", "{tmp}/d"], "unknown RULER subtask 'nope'"),
+    (["dump", *TINY, "--task", "passkey", "--subtasks", "niah", "--out", "{tmp}/d"],
+     "--subtasks and --haystack-file are for --task ruler"),
     # demo's numbers, before the default model loads and Adamas calibrates
     (["demo", "--n", "0", "--no-adamas"], "--n must be positive, got 0"),
     (["demo", "--budget", "0"], "--budget must be positive, got 0"),
@@ -232,6 +240,24 @@ def test_eval_ppl_reports_dense_beside_sparse(tmp_path):
     assert [x["method"] for x in rows] == ["dense", "oracle"]  # dense always runs beside the sparse methods
     assert all(x["metric"] == "perplexity" and x["score"] > 1 for x in rows)
     assert rows[1]["dense_score"] == rows[0]["score"] and rows[1]["tokens_scored"] == 32
+
+
+def test_eval_recall_at_answer_time(tmp_path):
+    """dump --task ruler records eval's prompts with queries where the answer is produced; recall scores there."""
+    dump = tmp_path / "dump"
+    r = sparsekv("dump", "--model", "tiny-random", "--task", "ruler", "--subtasks", "niah_single_1", "--seq", "1024",
+                 "--n", "2", "--queries", "4", "--out", str(dump))
+    assert r.returncode == 0, r.stderr
+    assert "wrote activations of 2 prompts" in r.stdout
+    manifest = json.loads((dump / "manifest.json").read_text())
+    assert manifest["data"]["prompts"] == 2 and manifest["data"]["subtasks"] == ["niah_single_1"]
+    assert manifest["data"]["queries"] == 8 and manifest["config"]["query_sampling"].startswith("answer positions")
+    out = tmp_path / "recall.json"
+    r = sparsekv("eval", "--model", "tiny-random", "--task", "recall", "--acts", str(dump), "--method",
+                 "oracle,streaming", "--budget", "64", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [x["n"] for x in rows] == [8, 8] and rows[1]["score"] < rows[0]["score"]
 
 
 def test_eval_recall_on_a_dump(tmp_path):
