@@ -87,7 +87,8 @@ class EvalConfig:
             raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
         if self.task == "recall" and "dense" in self.methods:
             raise SparseKVError("--task recall scores sparse methods: dense reads every key (a recall of 1 by "
-                                "definition); give the methods to score (--method), each shown beside the oracle at its budget")
+                                "definition); give the methods to score (--method), each shown beside the oracle "
+                                "at its budget")
         if self.task == "ppl":
             for L in self.seqs:
                 prefill_len(L, self.prefill)
@@ -107,8 +108,7 @@ class EvalConfig:
         acts = validate.dump(self.acts)
         validate.same_model(acts.manifest.get("model"), shape, model, f"--acts {self.acts}")
         check_recall_layers(self.dense_layers, acts.num_layers)
-        specs_for([m for m in self.methods if m != "dense"] or ["oracle"], self.budgets, [acts.seq_lengths[0]],
-                  self.options)
+        specs_for(self.methods, self.budgets, [max(acts.seq_lengths)], self.options)
         validate.artifact(self.options.artifact, shape, model)
 
     def specs(self) -> list[RunSpec]:
@@ -243,8 +243,7 @@ def _recall(lm: LoadedModel, cfg: EvalConfig, tick: Ticker) -> list[dict]:
     acts = load_activations(cfg.acts, lm)
     dense = check_recall_layers(cfg.dense_layers, acts.num_layers)
     min_context = default_min_context(cfg.budgets) if cfg.min_context is None else cfg.min_context
-    specs = specs_for(cfg.methods, cfg.budgets, [acts.seq_lengths[0]],
-                      cfg.options)
+    specs = specs_for(cfg.methods, cfg.budgets, [max(acts.seq_lengths)], cfg.options)
     tick.update(label=f"recall on {cfg.acts} ({len(specs)} method/budget cells)",
                 total=(acts.num_layers - len(set(dense))) * len(query_rows(acts, cfg.max_queries, min_context)))
     return recall_grid(acts, specs, lm, on_item=tick.advance, max_queries=cfg.max_queries, min_context=min_context,
