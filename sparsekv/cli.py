@@ -347,13 +347,13 @@ def demo(
     from .methods import MethodOptions
 
     t0 = time.perf_counter()
+    methods, options = ["dense", "oracle", "streaming"], MethodOptions()
     # --n, --budget and --seq fail here, before the model loads and Adamas calibrates
-    EvalConfig("passkey", ["dense", "oracle", "streaming"], [validate.budget(budget)], [seq], n, seed=42).check()
+    EvalConfig("passkey", methods, [validate.budget(budget)], [seq], n, seed=42).check()
     validate.model_checks("smollm2-135m", seqs=[seq])
     lm = _load("smollm2-135m", device, "auto")
     console.print(f"model: {lm.name} ({lm.num_layers} layers, {lm.q_heads} query / {lm.kv_heads} KV heads, "
                   f"head dim {lm.head_dim}) on {lm.device}")
-    methods, options = ["dense", "oracle", "streaming"], MethodOptions()
     if adamas:
         from .demo import demo_artifact
 
@@ -465,8 +465,10 @@ def dump(
         if (text_file is None) == (dataset is None):
             raise SparseKVError("give exactly one of --text-file, --dataset or --task")
     else:
-        if task not in ("passkey", "ruler"):
-            raise SparseKVError(f"--task must be passkey or ruler, got {task!r}")
+        from .eval.runner import TASKS  # the generation tasks, whose prompts eval makes
+
+        if task not in TASKS:
+            raise SparseKVError(f"--task must be {' or '.join(sorted(TASKS))}, got {task!r}")
         given = [o for o, v in (("--text-file", text_file is not None), ("--dataset", dataset is not None),
                                 ("--tokens", tokens is not None)) if v]
         if given:
