@@ -10,8 +10,9 @@ sequence is one dense forward from position 0 through a SparseCache whose `recor
 every layer; pre-RoPE q/k are the same tensors rotated back with the model's own rotary tables (in fp32).
 
 `dump_prompts` records eval's prompts (passkey, RULER) the same way, each followed by its teacher-forced reference
-answer, with queries where the answer is produced instead of random ones: `eval --task recall` on it measures a
-method's selection at the steps a task's score depends on.
+answer, with queries where the answer is produced instead of random ones, and the positions of the prompt tokens
+that spell the answer (its evidence): `eval --task recall` on it measures a method's selection at the steps a task's
+score depends on, and how much of the evidence's attention it reads.
 """
 
 from __future__ import annotations
@@ -132,10 +133,18 @@ class Activations:
                                  rope=p.get("rope")) for p in recorded]
 
     def positions(self) -> dict[str, torch.Tensor]:
-        """k_pos, k_seq, q_pos, q_seq: the same for every layer."""
+        """k_pos, k_seq, q_pos, q_seq: the same for every layer (prompt dumps: also e_pos, e_seq)."""
         if self._positions is None:
             self._positions = self._load(POSITIONS)
         return self._positions
+
+    def evidence(self) -> list[torch.Tensor] | None:
+        """Prompt dumps: per sequence, the positions of the prompt tokens that spell its reference answer
+        (`sparsekv.eval.evidence`); None for a dump of plain text, which has no answer."""
+        pos = self.positions()
+        if "e_pos" not in pos:
+            return None
+        return [pos["e_pos"][pos["e_seq"] == s] for s in range(len(self.seq_lengths))]
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         if not isinstance(i, int) or not 0 <= i < self.num_layers:
@@ -310,13 +319,17 @@ def dump_prompts(lm: LoadedModel, samples: list, out_dir: str | Path, *, queries
     is produced: each prompt with its reference answer appended (teacher-forced: " " + the references joined by
     ", ", at most the sample's max_new_tokens), keys of every token, queries at the last prompt token and the
     answer's tokens before its last (the positions that predict each answer token), the first `queries_per_seq`
-    of them. `eval --task recall` on such a dump scores each method's selection where accuracy is decided.
+    of them; the positions file also holds each prompt's evidence (`e_pos`, `e_seq`: the tokens that spell a
+    reference, `sparsekv.eval.evidence`). `eval --task recall` on such a dump scores each method's selection where
+    accuracy is decided.
     Writes `out_dir` as dump_activations does. Returns `out_dir`."""
     if queries_per_seq < 1:
         raise SparseKVError(f"queries_per_seq must be positive, got {queries_per_seq}")
     if not samples:
         raise SparseKVError("no prompts to dump")
-    seqs, q_local = [], []
+    from .eval.evidence import evidence_positions
+
+    seqs, q_local, evidence = [], [], []
     for s in samples:
         answer = lm.tokenizer(" " + ", ".join(s.references), add_special_tokens=False).input_ids[: s.max_new_tokens]
         ids = torch.tensor(list(s.ids) + answer, dtype=torch.long)
@@ -326,21 +339,29 @@ def dump_prompts(lm: LoadedModel, samples: list, out_dir: str | Path, *, queries
         first = len(s.ids) - 1
         seqs.append(ids)
         q_local.append(torch.arange(first, first + min(max(len(answer), 1), queries_per_seq)))
+        evidence.append(torch.tensor(evidence_positions(lm.tokenizer, s.ids, s.references), dtype=torch.long))
     lengths = [len(i) for i in seqs]
     config = {"seq_len": max(lengths), "queries_per_seq": queries_per_seq, "seed": None,
               "query_sampling": "answer positions: the last prompt token and the teacher-forced reference answer's "
-                                "tokens before its last, the first queries_per_seq of them"}
+                                "tokens before its last, the first queries_per_seq of them",
+              "evidence": "e_pos/e_seq: the prompt tokens that spell a reference answer, every whole-word "
+                          "occurrence (sparsekv.eval.evidence)"}
     data = {"source": source, "tokens_given": sum(lengths), "seq_len": max(lengths),
             "queries_per_seq": queries_per_seq, "seed": None, "prompts": len(samples),
             "subtasks": sorted({s.subtask for s in samples if s.subtask}),
+            "evidence_tokens": sum(len(e) for e in evidence), "evidence_prompts": sum(1 for e in evidence if len(e)),
             "tokens_sha256": hashlib.sha256(torch.cat(seqs).numpy().astype("<i8").tobytes()).hexdigest()}
-    return _dump_sequences(lm, seqs, q_local, out_dir, config, data, dtype, progress)
+    extra = {"e_pos": torch.cat(evidence),
+             "e_seq": torch.cat([torch.full((len(e),), j, dtype=torch.long) for j, e in enumerate(evidence)])}
+    return _dump_sequences(lm, seqs, q_local, out_dir, config, data, dtype, progress, extra)
 
 
 def _dump_sequences(lm: LoadedModel, seqs: list[torch.Tensor], q_local: list[torch.Tensor], out_dir: str | Path,
-                    config: dict, data: dict, dtype: torch.dtype, progress: Any) -> Path:
+                    config: dict, data: dict, dtype: torch.dtype, progress: Any,
+                    extra_positions: dict[str, torch.Tensor] | None = None) -> Path:
     """One dense forward per sequence (token ids), recording keys of every token and queries at `q_local` (sorted
-    positions per sequence); `config` and `data` gain the shapes, counts and patterns, and the dump is written."""
+    positions per sequence); `config` and `data` gain the shapes, counts and patterns, and the dump is written.
+    `extra_positions` join the positions file (prompt dumps: their evidence)."""
     out_dir = Path(out_dir)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise SparseKVError(f"dtype must be a torch floating-point dtype, got {dtype!r}")
@@ -360,7 +381,8 @@ def _dump_sequences(lm: LoadedModel, seqs: list[torch.Tensor], q_local: list[tor
     pos = {"k_pos": torch.cat([torch.arange(n) for n in lengths]),
            "k_seq": torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in enumerate(lengths)]),
            "q_pos": torch.cat(q_local),
-           "q_seq": torch.cat([torch.full((len(q),), s, dtype=torch.long) for s, q in enumerate(q_local)])}
+           "q_seq": torch.cat([torch.full((len(q),), s, dtype=torch.long) for s, q in enumerate(q_local)]),
+           **(extra_positions or {})}
 
     report = Ticker(progress, T, "dump")
     t0, k_off, q_off = time.perf_counter(), 0, 0

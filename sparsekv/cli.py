@@ -196,14 +196,21 @@ def _write_json(path: Optional[Path], payload) -> None:
 def _results_table(results: list[dict], title: str) -> Table:
     t = Table(title=title)
     metric = results[0]["metric"] if results else "score"
-    for col in ("method", "budget", "seq", "n", metric, "selectivity", "sink/window/selected", "s"):
+    evidence = any(r.get("evidence_recall") is not None for r in results)  # recall on a prompt dump
+    cols = ("method", "budget", "seq", "n", metric) + (("evidence (oracle)",) if evidence else ()) + (
+        "selectivity", "sink/window/selected", "s")
+    for col in cols:
         t.add_column(col, justify="right" if col not in ("method",) else "left")
     for r in results:
         parts = [r.get("mean_sink"), r.get("mean_window"), r.get("mean_selected")]
         sws = "-" if r["method"] == "dense" or parts[0] is None else "/".join(f"{p:.0f}" for p in parts)
         score = f"{r['score']:.3f}" if r["metric"] == "perplexity" else f"{r['score']:.1f}"
+        ev = ()
+        if evidence:
+            got, bound = r.get("evidence_recall"), r.get("oracle_evidence_recall")
+            ev = ("-" if got is None else f"{got:.3f}" + ("" if bound is None else f" ({bound:.3f})"),)
         t.add_row(r["method"], "-" if r["budget"] is None else f"{r['budget']:g}", str(r["seq_len"]), str(r["n"]),
-                  score, f"{r['selectivity']:.3f}", sws, f"{r['seconds']:.0f}")
+                  score, *ev, f"{r['selectivity']:.3f}", sws, f"{r['seconds']:.0f}")
     return t
 
 

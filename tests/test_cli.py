@@ -259,6 +259,10 @@ def test_eval_recall_at_answer_time(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
     assert [x["n"] for x in rows] == [8, 8] and rows[1]["score"] < rows[0]["score"]
+    # the needle's value tokens: both prompts hold them, and the oracle reads more of them than the window does
+    assert manifest["data"]["evidence_prompts"] == 2 and manifest["data"]["evidence_tokens"] > 0
+    assert rows[1]["evidence_recall"] < rows[0]["evidence_recall"] <= 1
+    assert "evidence" in r.stdout and f"{rows[1]['evidence_recall']:.3f}" in r.stdout
 
 
 def test_eval_recall_on_a_dump(tmp_path):

@@ -16,6 +16,16 @@ kernels' own slots: `Selection.positions`). Against the exact attention of the q
   The reference takes the method's `sink` and `window` attributes: a method whose window is derived from the
   budget (StreamingLLM's "budget - sink") has window 0 there, so its oracle spends the rest on exact top-k.
 
+On a prompt dump (`dump --task`, which records each prompt's evidence: the tokens that spell its answer), three
+more measures say whether the selection reads what the answer is copied from:
+
+- evidence_recall: of the exact attention the queries put on the evidence, the share on attended keys (sums over
+  queries and query heads, then over layers: a layer counts by how much it attends to the evidence);
+  oracle_evidence_recall: the same for the oracle's set.
+- evidence_share: the evidence's share of the exact attention (mean over queries and query heads).
+
+Text dumps have no evidence: these are None there.
+
 Dense layers (`dense_layers`, eval's --dense-layers) are what a decode does with them: attended densely, the method
 never selects there. Their selection would be exact by construction, so they are not scored (as the queries whose
 whole context fits the budget are left out): their `per_layer` rows say "dense": true with no measures, the means
@@ -57,9 +67,11 @@ PROTOCOL = ("selection quality on dumped activations (offline, no model forward)
             "(sink + window + selected), recall of the exact top-k (k = keys attended, pooled as the method pools; "
             "_head: per query head), IoU with the oracle's attended set at the same budget/sink/window/pooling; "
             "means over query heads, queries, then layers (dense layers: not scored); score = 100 x "
-            "attention_mass_recall")
+            "attention_mass_recall; prompt dumps: evidence_recall = attended share of the exact attention on the "
+            "prompt tokens that spell the answer (sums over queries, query heads and layers)")
 
 METRICS = ("attention_mass_recall", "topk_recall", "topk_recall_head", "iou", "oracle_mass_recall")
+EVIDENCE = ("evidence_recall", "oracle_evidence_recall", "evidence_share")
 
 
 @dataclass
@@ -93,9 +105,19 @@ class _Acc:
     queries: int = 0
     dense: int = 0  # queries whose selection was the whole context
     stats: DecodeStats = field(default_factory=DecodeStats)
+    # evidence: exact attention on it read by the selection, in all, read by the oracle; sum of its share; pairs
+    ev: dict = field(default_factory=lambda: {"read": 0.0, "total": 0.0, "oracle": 0.0, "share": 0.0, "n": 0})
 
     def mean(self, key: str) -> float | None:
         return self.sums[key] / self.n if self.n else None
+
+    def evidence(self) -> dict[str, float | None]:
+        e = self.ev
+        if not e["n"]:
+            return dict.fromkeys(EVIDENCE)
+        ratio = (lambda x: x / e["total"]) if e["total"] > 0 else (lambda x: None)
+        return {"evidence_recall": ratio(e["read"]), "oracle_evidence_recall": ratio(e["oracle"]),
+                "evidence_share": e["share"] / e["n"]}
 
 
 def default_min_context(budgets: list[float]) -> int:
@@ -170,6 +192,7 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
     pos = acts.positions()
     per_seq = [(s, rows[pos["q_seq"][rows] == s]) for s in range(len(acts.seq_lengths))]
     per_seq = [(s, r[pos["q_pos"][r].argsort()]) for s, r in per_seq if len(r)]
+    evidence = acts.evidence()  # prompt dumps: the tokens each answer is copied from
     patterns = acts.patterns()
     t_start = time.perf_counter()
     for layer in range(L):
@@ -183,7 +206,8 @@ def recall_grid(acts: Activations, specs: list[RunSpec], lm: LoadedModel | None 
             qs = data["q_post"][:, qrows].to(device, torch.float32)  # [Hq, nq, D]
             qs_pre = data["q_pre"][:, qrows].to(device, torch.float32) if pre_rope else None
             _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre, qs, qs_pre,
-                          data["q_pos"][qrows].tolist(), on_item, patterns[layer])
+                          data["q_pos"][qrows].tolist(), on_item, patterns[layer],
+                          None if evidence is None else evidence[s].to(device))
     total = time.perf_counter() - t_start
     other = max(total - sum(seconds), 0.0) / len(specs)  # exact attention, loading: split evenly
     return [_result(acts, lm, sp, m, None if r is None else runners[r], a, seq_len, len(rows), sec + other, dense)
@@ -201,9 +225,10 @@ def _bind(method: Method, target: Any) -> None:
 
 
 def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre, qs, qs_pre, qpos, on_item,
-                  pattern: AttentionPattern = FULL) -> None:
+                  pattern: AttentionPattern = FULL, evidence: torch.Tensor | None = None) -> None:
     """Grow every runner's state over one sequence, query by query, and score each spec's selections. `pattern`:
-    what the layer attends (a query sees only its sliding window, with the layer's scale and softcapping)."""
+    what the layer attends (a query sees only its sliding window, with the layer's scale and softcapping).
+    `evidence`: positions in this sequence the answer is copied from (prompt dumps), scored as well."""
     _, Hkv, n, D = keys.shape
     Hq = qs.shape[0]
     G = Hq // Hkv
@@ -253,6 +278,8 @@ def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre,
             mask = masks[i]  # [Hs, end]
             ref = masks[ref_of[i]] if ref_of[i] is not None else None
             _score(a, probs, mask, ref, Hkv, G)
+            if evidence is not None:
+                _score_evidence(a, probs, mask, ref, G, evidence[evidence < end])
             sel = sels[i]
             a.queries += 1
             a.dense += int(bool(mask[:, pattern.start(end) :].all()))
@@ -312,6 +339,19 @@ def _score(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor |
     a.n += Hq
 
 
+def _score_evidence(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None, G: int,
+                    evidence: torch.Tensor) -> None:
+    """Evidence measures of one query (module docstring); `evidence`: positions it can see."""
+    Hq = probs.shape[0]
+    on = probs[:, evidence]  # [Hq, E]: exact attention on the evidence
+    a.ev["total"] += float(on.sum())
+    a.ev["read"] += float((on * _to_heads(mask, Hq, G)[:, evidence]).sum())
+    if ref is not None:
+        a.ev["oracle"] += float((on * _to_heads(ref, Hq, G)[:, evidence]).sum())
+    a.ev["share"] += float(on.sum(-1).sum())
+    a.ev["n"] += Hq
+
+
 def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | None, acc: list[_Acc],
             seq_len: int, n_queries: int, seconds: float, dense: frozenset = frozenset()) -> dict:
     def mean(key: str) -> float | None:
@@ -322,7 +362,16 @@ def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | 
     def r4(v):
         return None if v is None or v != v else round(v, 6)
 
-    per_layer = [{"layer": i, **{k: r4(a.mean(k)) for k in METRICS},
+    def evidence(a: _Acc) -> dict[str, float | None]:
+        out = a.evidence()
+        return {**out, "oracle_evidence_recall": None} if ref is None else out
+
+    total = _Acc()  # evidence sums over the layers (dense ones hold none: they are not scored)
+    for a in acc:
+        for k in total.ev:
+            total.ev[k] += a.ev[k]
+
+    per_layer = [{"layer": i, **{k: r4(a.mean(k)) for k in METRICS}, **{k: r4(v) for k, v in evidence(a).items()},
                   "selectivity": r4(a.stats.summary()["selectivity"]),
                   "queries_dense": r4(a.dense / a.queries if a.queries else None), "dense": i in dense}
                  for i, a in enumerate(acc)]
@@ -336,7 +385,8 @@ def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | 
         seed=acts.data.get("seed"),  # the dump's query sampling seed
         protocol=PROTOCOL, device=device_label(lm.device) if lm is not None else "cpu", seconds=seconds,
         dense_layers=sorted(dense),
-        measures={**{k: mean(k) for k in METRICS}, "iou_reference": None if ref is None else ref.config()},
+        measures={**{k: mean(k) for k in METRICS}, **evidence(total),
+                  "iou_reference": None if ref is None else ref.config()},
         task_fields={
             # share of (layer, query) selections that read the whole context
             "queries_dense": sum(a.dense for a in acc) / max(sum(a.queries for a in acc), 1),
