@@ -640,6 +640,8 @@ def train_hash(
 ):
     """Train Spotlight Attention's MLP hashes (one per layer and KV head, the paper's ranking loss) on a dump and
     write them as an artifact for `--method spotlight --artifact ...`."""
+    from .activations import load_activations
+    from .offline.stage import fit_layers
     from .train_hash import check_options, fit_hashes
 
     dev = validate.device(device)
@@ -649,6 +651,7 @@ def train_hash(
                    eval_every=eval_every, patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every,
                    linear=linear, seed=seed, query_margin=query_margin, device=dev)
     check_options(**options)  # before the dump is read and hashed
+    fit_layers(options["layers"], load_activations(acts).num_layers)  # its manifest only
     data = _dump(acts, model, dev)
     with _progress() as progress, _resumable("train-hash"):
         path, report = fit_hashes(data, out, resume=resume, progress=progress, **options)
@@ -715,7 +718,8 @@ def index(
 ):
     """Fit SAAP's index to a dump: spherical k-means of the keys per layer and KV head (faiss), then the query model
     that ranks buckets (the paper's KL objective); written as an artifact for `--method saap --artifact ...`."""
-    from .saap.fit import check_options, fit_index
+    from .activations import load_activations
+    from .saap.fit import check_dump_options, check_options, fit_index
 
     if method != "saap":
         raise SparseKVError(f"index supports: saap (got {method!r})")
@@ -726,6 +730,7 @@ def index(
                    probes=probes, holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every,
                    patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every, seed=seed, device=dev)
     check_options(**options)  # before the dump is read and hashed
+    check_dump_options(load_activations(acts), **options)  # its manifest only
     data = _dump(acts, model, dev)
     with _progress() as progress, _resumable("index"):
         path, report = fit_index(data, out, resume=resume, progress=progress, **options)

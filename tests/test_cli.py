@@ -137,6 +137,11 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--holdout", "0"], "--holdout 0 holds no sequence out"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--iters", "3", "--resume"], "--resume: no checkpoint"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--space", "rope"], "--space must be pre or post"),
+    # what needs the dump's manifest only: before its files are hashed (the corrupt copy would fail there)
+    (["index", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--layers", "5"], "--layers 5: the dump has layers 0..1"),
+    (["index", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--gap", "300"], "hold no pair that far apart"),
+    (["train-hash", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--layers", "2"],
+     "--layers 2: the dump has layers 0..1"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--method", "ivf"], "index supports: saap"),
     # dump of eval prompts: options of the other kind, a task it cannot dump, a misspelt subtask
     (["dump", *TINY, "--task", "ruler", "--text-file", "{fx}/t.txt", "--out", "{tmp}/d"],

@@ -85,6 +85,21 @@ def check_options(**options: Any) -> TrainConfig:
     return cfg
 
 
+def check_dump_options(acts: Activations, *, layers: Sequence[int] | None = None, gap: int | None = None,
+                       min_range: int | None = None, sink: int = 1, **_: Any) -> tuple[list[int], int, int]:
+    """index_keys' checks that need the dump's manifest only (its layer count and lengths; no file is read or
+    hashed); -> the layers, gap and min_range the fit uses."""
+    layers = fit_layers(layers, acts.num_layers)
+    auto_gap, auto_min = default_ranges(max(acts.seq_lengths))
+    gap, min_range = auto_gap if gap is None else gap, auto_min if min_range is None else min_range
+    reach = max(acts.seq_lengths) - 1 - sink  # the farthest (query, key) pair a sequence holds, sinks left out
+    if max(gap, min_range) > reach:
+        raise SparseKVError(f"--gap {gap}, --min-range {min_range} and --sink {sink}: the dump's sequences of at most "
+                            f"{max(acts.seq_lengths)} tokens hold no pair that far apart (at most {max(reach, 0)}); "
+                            f"lower them or dump longer sequences (--seq)")
+    return layers, gap, min_range
+
+
 def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, clusters: int = 1024,
                kmeans_iters: int = 10, space: str = "pre", query_model: bool = True, hidden: int = 1024,
                iters: int = 40000, lr: float = 1e-5, queries_per_step: int = 1000, gap: int | None = None,
@@ -100,14 +115,7 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
     options = dict(locals())
     del options["acts"]
     cfg = check_options(**options)
-    layers = fit_layers(layers, acts.num_layers)
-    auto_gap, auto_min = default_ranges(max(acts.seq_lengths))
-    gap, min_range = auto_gap if gap is None else gap, auto_min if min_range is None else min_range
-    reach = max(acts.seq_lengths) - 1 - sink  # the farthest (query, key) pair a sequence holds, sinks left out
-    if max(gap, min_range) > reach:
-        raise SparseKVError(f"--gap {gap}, --min-range {min_range} and --sink {sink}: the dump's sequences of at most "
-                            f"{max(acts.seq_lengths)} tokens hold no pair that far apart (at most {max(reach, 0)}); "
-                            f"lower them or dump longer sequences (--seq)")
+    layers, gap, min_range = check_dump_options(acts, layers=layers, gap=gap, min_range=min_range, sink=sink)
     t0 = time.perf_counter()
     tick = Ticker(progress, len(layers), "load dump")
     data = DumpExamples(acts, layers, pre_rope=space == "pre", with_post=True, holdout=holdout, device=device,
