@@ -151,12 +151,13 @@ def _progress() -> Progress:
                            console=console, transient=False)
 
 
-def _dump(acts: Path, model: Optional[str], device: str, dtype: str = "auto"):
+def _dump(acts: Path, model: Optional[str], device: str, dtype: str = "auto", check=None):
     """An offline stage's dump: every file checked whole and from `model` (when given) before that model loads or
-    the fit starts, then loaded (with the model's patterns when given)."""
+    the fit starts, then loaded (with the model's patterns when given). `check(acts)`: the stage's checks that need
+    the manifest only, before the files are hashed."""
     from .activations import load_activations
 
-    validate.dump(acts, model=model)
+    validate.dump(acts, model=model, check=check)
     return load_activations(acts, _load(model, device, dtype) if model is not None else None)
 
 
@@ -640,7 +641,6 @@ def train_hash(
 ):
     """Train Spotlight Attention's MLP hashes (one per layer and KV head, the paper's ranking loss) on a dump and
     write them as an artifact for `--method spotlight --artifact ...`."""
-    from .activations import load_activations
     from .offline.stage import fit_layers
     from .train_hash import check_options, fit_hashes
 
@@ -651,8 +651,7 @@ def train_hash(
                    eval_every=eval_every, patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every,
                    linear=linear, seed=seed, query_margin=query_margin, device=dev)
     check_options(**options)  # before the dump is read and hashed
-    fit_layers(options["layers"], load_activations(acts).num_layers)  # its manifest only
-    data = _dump(acts, model, dev)
+    data = _dump(acts, model, dev, check=lambda a: fit_layers(options["layers"], a.num_layers))
     with _progress() as progress, _resumable("train-hash"):
         path, report = fit_hashes(data, out, resume=resume, progress=progress, **options)
     iou = report["iou"]
@@ -718,7 +717,6 @@ def index(
 ):
     """Fit SAAP's index to a dump: spherical k-means of the keys per layer and KV head (faiss), then the query model
     that ranks buckets (the paper's KL objective); written as an artifact for `--method saap --artifact ...`."""
-    from .activations import load_activations
     from .saap.fit import check_dump_options, check_options, fit_index
 
     if method != "saap":
@@ -730,8 +728,7 @@ def index(
                    probes=probes, holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every,
                    patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every, seed=seed, device=dev)
     check_options(**options)  # before the dump is read and hashed
-    check_dump_options(load_activations(acts), **options)  # its manifest only
-    data = _dump(acts, model, dev)
+    data = _dump(acts, model, dev, check=lambda a: check_dump_options(a, **options))
     with _progress() as progress, _resumable("index"):
         path, report = fit_index(data, out, resume=resume, progress=progress, **options)
     metrics = report["metrics"]

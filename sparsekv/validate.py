@@ -178,14 +178,18 @@ def sink_window(method: str, sink: int, window: int, budget: float, context: int
                             f"{of}); lower --sink/--window or raise --budget")
 
 
-def dump(path: str | Path, option: str = "--acts", model: str | None = None):
+def dump(path: str | Path, option: str = "--acts", model: str | None = None, check=None):
     """An activations dump whose every file is whole (sha256, each hashed once per process): a corrupt layer stops
-    the run before any work, not when that layer is reached. With `model`: made from that model (same_model)."""
+    the run before any work, not when that layer is reached. With `model`: made from that model (same_model).
+    `check(acts)`: what needs the manifest only (a stage's layers, lengths), run before the files are hashed."""
     from .activations import load_activations
 
     if path is None:
         raise SparseKVError(f"{option}: give a `sparsekv dump` folder")
-    acts = load_activations(path).check_files()
+    acts = load_activations(path)
+    if check is not None:
+        check(acts)
+    acts.check_files()
     if model is not None:
         same_model(acts.manifest.get("model"), model_shape(model), model, f"{option} {path}")
     return acts

@@ -15,6 +15,7 @@ import torch
 
 from ..activations import Activations
 from ..errors import SparseKVError
+from .stage import check_holdout
 
 
 @dataclass
@@ -46,8 +47,7 @@ class DumpExamples:
                  min_keys: int = 1, progress: Callable[[int], None] | None = None, with_post: bool = False):
         if not layers:
             raise SparseKVError("no layers to fit")
-        if not 0 <= holdout < 1:
-            raise SparseKVError(f"--holdout must be in [0, 1), got {holdout}")
+        check_holdout(holdout, patience=0)
         self.acts, self.layers, self.device = acts, list(layers), torch.device(device)
         suffix = "pre" if pre_rope else "post"
         qs, ks = [], []
