@@ -277,9 +277,7 @@ def _run_sequence(layer, runners, methods, ref_of, acc, seconds, keys, keys_pre,
             a = acc[i][layer]
             mask = masks[i]  # [Hs, end]
             ref = masks[ref_of[i]] if ref_of[i] is not None else None
-            _score(a, probs, mask, ref, Hkv, G)
-            if evidence is not None:
-                _score_evidence(a, probs, mask, ref, G, evidence[evidence < end])
+            _score(a, probs, mask, ref, Hkv, G, None if evidence is None else evidence[evidence < end])
             sel = sels[i]
             a.queries += 1
             a.dense += int(bool(mask[:, pattern.start(end) :].all()))
@@ -318,7 +316,9 @@ def _topk_recall(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return hits.double() / k.clamp(min=1).double()
 
 
-def _score(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None, Hkv: int, G: int) -> None:
+def _score(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None, Hkv: int, G: int,
+           evidence: torch.Tensor | None = None) -> None:
+    """One query's measures into `a`; `evidence`: the positions it sees that spell the answer (prompt dumps)."""
     Hq = probs.shape[0]
     m = _to_heads(mask, Hq, G)  # [Hq, L]
     mass = (probs * m).sum(-1)
@@ -332,24 +332,27 @@ def _score(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor |
         iou = (m & r).sum(-1).double() / (m | r).sum(-1).clamp(min=1).double()
         ref_mass = (probs * r).sum(-1)
     else:
+        r = None
         iou = ref_mass = torch.full((Hq,), float("nan"), dtype=torch.float64)
+    if evidence is not None:
+        _score_evidence(a, probs, m, r, evidence)
     for key, v in (("attention_mass_recall", mass), ("topk_recall", pooled), ("topk_recall_head", head),
                    ("iou", iou), ("oracle_mass_recall", ref_mass)):
         a.sums[key] += float(v.sum())
     a.n += Hq
 
 
-def _score_evidence(a: _Acc, probs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None, G: int,
+def _score_evidence(a: _Acc, probs: torch.Tensor, m: torch.Tensor, r: torch.Tensor | None,
                     evidence: torch.Tensor) -> None:
-    """Evidence measures of one query (module docstring); `evidence`: positions it can see."""
-    Hq = probs.shape[0]
+    """Evidence measures of one query (module docstring): `m`, `r` the method's and the oracle's attended keys per
+    query head ([Hq, L]); `evidence`: positions the query can see."""
     on = probs[:, evidence]  # [Hq, E]: exact attention on the evidence
     a.ev["total"] += float(on.sum())
-    a.ev["read"] += float((on * _to_heads(mask, Hq, G)[:, evidence]).sum())
-    if ref is not None:
-        a.ev["oracle"] += float((on * _to_heads(ref, Hq, G)[:, evidence]).sum())
-    a.ev["share"] += float(on.sum(-1).sum())
-    a.ev["n"] += Hq
+    a.ev["read"] += float((on * m[:, evidence]).sum())
+    if r is not None:
+        a.ev["oracle"] += float((on * r[:, evidence]).sum())
+    a.ev["share"] += float(on.sum())
+    a.ev["n"] += probs.shape[0]
 
 
 def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | None, acc: list[_Acc],
