@@ -54,6 +54,9 @@ class MethodOptions:
                                        "k-means baseline)", ("--query-model/--no-query-model",))
     cap_keep: str | None = _option("saap: of the bucket the budget cuts, read its newest keys (default) or its "
                                    "oldest")
+    centroid_share: float | None = _option("saap: the share of the visited buckets ranked by the query's inner "
+                                           "product with the centroids, the rest by the query model, the best of "
+                                           "each taken in turn (default 0: the query model's alone, the paper)")
 
     @classmethod
     def of(cls, options: "MethodOptions | dict | None") -> "MethodOptions":

@@ -36,6 +36,13 @@ Defaults and where they come from:
 - the paper's baselines from the same artifact: `query_model=False` scores buckets by the query's inner product with
   the centroids ("K-means (no rope)"); an index fitted with `--space post` ("K-means (roped inputs)") indexes
   post-RoPE keys and queries.
+
+Two rankings (`centroid_share`, not in the paper; default 0: the Q-model's alone). The Q-model learns the attention
+of the text it was fitted on; a query unlike that text (a needle's retrieval at answer time) can find its keys'
+buckets by the centroids' inner products where the Q-model ranks them low, and the reverse holds in other layers.
+With a share s, the visited buckets are the best of both rankings taken in turn, a share s of them by the centroids
+(`mixed_ranking`: each bucket scores by its better rank, the centroids' scaled by 1 / s and the Q-model's by
+1 / (1 - s)), so each ranking keeps its own best buckets instead of an average of the two.
 """
 
 from __future__ import annotations
@@ -85,12 +92,14 @@ class Saap(Method):
                  pooling: Pooling | str | None = None, artifact: str | Path | None = None,
                  index: dict[str, torch.Tensor] | None = None, probes: int | None = None,
                  query_model: bool | None = None, space: str | None = None, cap_keep: str | None = None,
-                 **options: Any):
+                 centroid_share: float | None = None, **options: Any):
         """`artifact`: an `index` version folder. `index` instead: its tensors (centroids [L, Hkv, C, D], layers [L],
         and the folded Q-model w1, b1, w2, b2 when there is one; `random_index` for speed runs and tests), whose
         keys and queries are pre-RoPE unless `space="post"`. `probes`: buckets visited per query (ℓ). `query_model`
         False: score buckets by the centroids (the paper's k-means baseline) even when the index has a Q-model.
-        `cap_keep`: which keys of the bucket that straddles the cap are read, "newest" (default) or "oldest"."""
+        `cap_keep`: which keys of the bucket that straddles the cap are read, "newest" (default) or "oldest".
+        `centroid_share`: the share of the visited buckets ranked by the centroids, the rest by the Q-model, taken in
+        turn (module docstring; 0, the default: the Q-model's alone)."""
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.cap_keep = "newest" if cap_keep is None else cap_keep
         if self.cap_keep not in CAP_KEEPS:
@@ -129,6 +138,13 @@ class Saap(Method):
             M = w1.shape[-1]
             if w1.shape != (L, H, D, M) or b1.shape != (L, H, M) or w2.shape != (L, H, M, C) or b2.shape != (L, H, C):
                 raise SparseKVError(f"saap: {where} holds a query model of inconsistent shapes")
+        self.centroid_share = 0.0 if centroid_share is None else float(centroid_share)
+        if not 0 <= self.centroid_share < 1:
+            raise SparseKVError(f"saap: centroid_share must be in [0, 1) (1: the centroids alone, query_model=False), "
+                                f"got {centroid_share}")
+        if self.centroid_share and self.model is None:
+            raise SparseKVError(f"saap: centroid_share mixes the Q-model's ranking with the centroids'; "
+                                f"{'query_model is off' if has_model else where + ' has no query model'}")
         self.clusters = C
         self.probes = max(1, round(C / 32)) if probes is None else int(probes)
         if not 1 <= self.probes <= C:
@@ -200,13 +216,36 @@ class Saap(Method):
         x = self._indexed(state, q_pre_rope if self.space == "pre" else q, "queries")
         group = x.shape[1] // state.centroids.shape[0] if self.pooling is Pooling.GROUP else 1
         scores = ops.bucket_logits(x, state.centroids, state.model, append=self.take_pending(state))  # [B, Hq, C]
+        softmax = state.model is not None
+        if self.centroid_share:
+            scores = mixed_ranking(scores, ops.bucket_logits(x, state.centroids), group, self.centroid_share)
+            softmax = False  # one score vector per group, repeated: any sum of it keeps its order
         pos, count = ops.bucket_select(scores, state.counts, state.buckets, state.ordinals, self.probes, group,
-                                       state.model is not None, self._newest, split.k, split.lo, split.hi,
-                                       split.bounds())
+                                       softmax, self._newest, split.k, split.lo, split.hi, split.bounds())
         return split.selection(indices=pos, count=count)
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
         cfg.update(artifact=self.artifact, probes=self.probes, clusters=self.clusters, space=self.space,
-                   query_model=self.model is not None, cap_keep=self.cap_keep)
+                   query_model=self.model is not None, cap_keep=self.cap_keep, centroid_share=self.centroid_share)
         return cfg
+
+
+def _ranks(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 rank of each value along the last dim, 0 for the largest (ties in sort order)."""
+    order = torch.argsort(scores, dim=-1, descending=True, stable=True)
+    idx = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.float32).expand(order.shape)
+    return torch.empty_like(scores, dtype=torch.float32).scatter_(-1, order, idx.contiguous())
+
+
+def mixed_ranking(model_logits: torch.Tensor, centroid_logits: torch.Tensor, group: int,
+                  share: float) -> torch.Tensor:
+    """[B, Hq, C] scores whose top ℓ, per group of `group` query heads, are the best buckets of the Q-model's ranking
+    and of the centroids' (each the group's summed softmaxes of its heads' logits) taken in turn, a share `share` of them the centroids': a bucket scores by its better
+    rank, each scaled by its ranking's share; ties (and scores within a quarter of a rank) go to the Q-model's
+    order. Every head of a group gets its group's scores (the select's group sum keeps their order)."""
+    B, Hq, C = model_logits.shape
+    rq, rc = (_ranks(torch.softmax(s.float(), -1).view(B, Hq // group, group, C).sum(2))
+              for s in (model_logits, centroid_logits))
+    best = torch.maximum(-rq / (1 - share), -rc / share) - rq / (4 * C)  # the Q-model's order breaks ties
+    return best.repeat_interleave(group, dim=1)
