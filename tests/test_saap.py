@@ -708,3 +708,67 @@ def test_selection_is_graph_safe_shapes(tiny):
         m.append(st, k, k, k, 0)
         shapes.add(tuple(m.select(st, torch.randn(1, 6, 1, 20), torch.randn(1, 6, 1, 20)).indices.shape))
     assert shapes == {(1, 2, 45)}
+
+
+# -- two rankings (centroid_share) ----------------------------------------------------------------------------------
+
+def _top(scores: torch.Tensor, n: int) -> list[int]:
+    return scores.topk(n).indices.tolist()
+
+
+@pytest.mark.parametrize("share,from_centroids", [(0.5, 4), (0.25, 2), (0.75, 6)])
+def test_mixed_ranking_takes_each_rankings_best_in_turn(share, from_centroids):
+    """With disjoint favourites, the top 8 of the mix are the Q-model's best 8 - n and the centroids' best n, n the
+    share of 8; the same for every head of a group, and each ranking's best keeps its lead over its own rest."""
+    from sparsekv.methods.saap import mixed_ranking
+
+    C, group = 32, 3
+    g = torch.Generator().manual_seed(0)
+    qm = torch.randn(1, 2 * group, C, generator=g)
+    qm[..., 16:] -= 20  # the Q-model prefers buckets 0..15 in every head, the centroids 16..31
+    cent = torch.randn(1, 2 * group, C, generator=g)
+    cent[..., :16] -= 20
+    mixed = mixed_ranking(qm, cent, group, share)
+    for kv in range(2):
+        heads = slice(kv * group, (kv + 1) * group)
+        assert torch.equal(mixed[0, heads], mixed[0, kv * group].expand(group, C))
+        q_best = _top(torch.softmax(qm[0, heads], -1).sum(0), 8 - from_centroids)
+        c_best = _top(torch.softmax(cent[0, heads], -1).sum(0), from_centroids)
+        assert sorted(_top(mixed[0, kv * group], 8)) == sorted(q_best + c_best)
+        assert _top(mixed[0, kv * group], 1) == q_best[:1]  # a tie at rank 0 goes to the Q-model
+
+
+def test_centroid_share_selects_the_union_and_zero_is_the_paper(tiny):
+    """Per query head (pooling head), ℓ = 4 with share 0.5: the buckets are the Q-model's best two and the centroids'
+    best two (or more of one when they share a bucket); share 0 is the Q-model's own selection; bad values refused."""
+    index = random_index(1, 2, 20, clusters=12, hidden=16, seed=3)
+    shape = CacheShape(1, 2, 6, 20, 80, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 2, 80, 20, generator=g)
+    q = torch.randn(1, 6, 1, 20, generator=g)
+
+    def visited(**opts):
+        m = get_method("saap", budget=76, sink=1, window=4, index=index, probes=4, pooling="head", **opts)
+        st = m.new_state(0, shape)
+        st.keys, st.values, st.length = k, k, 80
+        m.append(st, k, k, k, 0)
+        sel = m.select(st, q, q)
+        b = assign(k, index["centroids"][0])
+        return m, [sorted({int(b[0, h // 3, p]) for p in sel.indices[0, h].tolist() if p >= 0}) for h in range(6)]
+
+    w1, b1, w2, b2 = (index[n][0] for n in ("w1", "b1", "w2", "b2"))
+    logits = (torch.relu(q.view(2, 3, 20) @ w1 + b1[:, None]) @ w2 + b2[:, None]).reshape(6, 12)
+    inner = (q.view(2, 3, 20) @ index["centroids"][0].transpose(-1, -2)).reshape(6, 12)
+    m, mixed = visited(centroid_share=0.5)
+    _, paper = visited(centroid_share=0.0)
+    _, alone = visited()
+    assert paper == alone and m.config()["centroid_share"] == 0.5
+    for h in range(6):
+        assert paper[h] == sorted(_top(logits[h], 4))
+        q2, c2 = _top(logits[h], 2), _top(inner[h], 2)
+        assert set(q2) | set(c2) <= set(mixed[h]) and len(mixed[h]) == 4
+    for bad, msg in [(1.0, "centroid_share must be in"), (-0.1, "centroid_share must be in")]:
+        with pytest.raises(SparseKVError, match=msg):
+            get_method("saap", budget=76, index=index, centroid_share=bad)
+    with pytest.raises(SparseKVError, match="query_model is off"):
+        get_method("saap", budget=76, index=index, centroid_share=0.5, query_model=False)
