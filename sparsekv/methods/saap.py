@@ -241,9 +241,10 @@ def _ranks(scores: torch.Tensor) -> torch.Tensor:
 def mixed_ranking(model_logits: torch.Tensor, centroid_logits: torch.Tensor, group: int,
                   share: float) -> torch.Tensor:
     """[B, Hq, C] scores whose top ℓ, per group of `group` query heads, are the best buckets of the Q-model's ranking
-    and of the centroids' (each the group's summed softmaxes of its heads' logits) taken in turn, a share `share` of them the centroids': a bucket scores by its better
-    rank, each scaled by its ranking's share; ties (and scores within a quarter of a rank) go to the Q-model's
-    order. Every head of a group gets its group's scores (the select's group sum keeps their order)."""
+    and of the centroids' (each the group's summed softmaxes of its heads' logits) taken in turn, a share `share` of
+    them the centroids': a bucket scores by its better rank, each scaled by its ranking's share; ties (and scores
+    within a quarter of a rank) go to the Q-model's order. Every head of a group gets its group's scores (the
+    select's group sum keeps their order)."""
     B, Hq, C = model_logits.shape
     rq, rc = (_ranks(torch.softmax(s.float(), -1).view(B, Hq // group, group, C).sum(2))
               for s in (model_logits, centroid_logits))
