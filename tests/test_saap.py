@@ -719,7 +719,7 @@ def _top(scores: torch.Tensor, n: int) -> list[int]:
 @pytest.mark.parametrize("share,from_centroids", [(0.5, 4), (0.25, 2), (0.75, 6)])
 def test_mixed_ranking_takes_each_rankings_best_in_turn(share, from_centroids):
     """With disjoint favourites, the top 8 of the mix are the Q-model's best 8 - n and the centroids' best n, n the
-    share of 8; the same for every head of a group, and each ranking's best keeps its lead over its own rest."""
+    share of 8; every head of a group gets the same scores; a tie at rank 0 goes to the Q-model."""
     from sparsekv.methods.saap import mixed_ranking
 
     C, group = 32, 3
@@ -738,7 +738,7 @@ def test_mixed_ranking_takes_each_rankings_best_in_turn(share, from_centroids):
         assert _top(mixed[0, kv * group], 1) == q_best[:1]  # a tie at rank 0 goes to the Q-model
 
 
-def test_centroid_share_selects_the_union_and_zero_is_the_paper(tiny):
+def test_centroid_share_selects_the_union_and_zero_is_the_paper():
     """Per query head (pooling head), ℓ = 4 with share 0.5: the buckets are the Q-model's best two and the centroids'
     best two (or more of one when they share a bucket); share 0 is the Q-model's own selection; bad values refused."""
     index = random_index(1, 2, 20, clusters=12, hidden=16, seed=3)
