@@ -853,6 +853,14 @@ def bucket_rank_keys(scores: torch.Tensor) -> torch.Tensor:
     return ((key >> b) << b) | low
 
 
+def group_scores(scores: torch.Tensor, group: int, softmax: bool) -> torch.Tensor:
+    """fp32 [B, Hq / group, C]: bucket scores [B, Hq, C] (`softmax`: each query head's distribution first) summed
+    over each selection head's `group` query heads (SAAP's §5 "Batched queries")."""
+    B, Hq, C = scores.shape
+    s = torch.softmax(scores.float(), dim=-1) if softmax else scores.float()
+    return s.view(B, Hq // group, group, C).sum(2)
+
+
 def bucket_bases_reference(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1,
                            softmax: bool = False, newest_first: bool = False) -> torch.Tensor:
     """int32 [B, Hs, C + 1], Hs = Hq / group: the `probes` best buckets of each selection head, their lists laid end
@@ -860,9 +868,7 @@ def bucket_bases_reference(scores: torch.Tensor, counts: torch.Tensor, probes: i
     first), summed over each selection head's `group` query heads (SAAP's §5 "Batched queries"); the best are the
     highest sums as `bucket_rank_keys` orders them. counts [B, Hkv, C + 1]: selection head h reads KV head
     h // (Hs / Hkv)."""
-    B, Hq, C = scores.shape
-    s = torch.softmax(scores.float(), dim=-1) if softmax else scores.float()
-    s = s.view(B, Hq // group, group, C).sum(2)
+    s = group_scores(scores, group, softmax)
     chosen = bucket_rank_keys(s).topk(probes, dim=-1).indices  # keys are distinct: one order
     per = s.shape[1] // counts.shape[1]
     return slot_bases(counts.repeat_interleave(per, dim=1) if per > 1 else counts, chosen, newest_first)

@@ -719,7 +719,9 @@ def _top(scores: torch.Tensor, n: int) -> list[int]:
 @pytest.mark.parametrize("share,from_centroids", [(0.5, 4), (0.25, 2), (0.75, 6)])
 def test_mixed_ranking_takes_each_rankings_best_in_turn(share, from_centroids):
     """With disjoint favourites, the top 8 of the mix are the Q-model's best 8 - n and the centroids' best n, n the
-    share of 8; every head of a group gets the same scores; a tie at rank 0 goes to the Q-model."""
+    share of 8; every head of a group gets the same scores; a tie at rank 0 goes to the Q-model; the select's rank
+    keys order the buckets as the scores do."""
+    from sparsekv.kernels.reference import bucket_rank_keys
     from sparsekv.methods.saap import mixed_ranking
 
     C, group = 32, 3
@@ -736,6 +738,9 @@ def test_mixed_ranking_takes_each_rankings_best_in_turn(share, from_centroids):
         c_best = _top(torch.softmax(cent[0, heads], -1).sum(0), from_centroids)
         assert sorted(_top(mixed[0, kv * group], 8)) == sorted(q_best + c_best)
         assert _top(mixed[0, kv * group], 1) == q_best[:1]  # a tie at rank 0 goes to the Q-model
+        # the select's 32-bit rank keys keep every place apart: it reads the buckets in the mix's own order
+        keys = bucket_rank_keys(mixed[0, kv * group])
+        assert torch.equal(keys.argsort(descending=True), mixed[0, kv * group].argsort(descending=True))
 
 
 def test_centroid_share_selects_the_union_and_zero_is_the_paper():

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.kernels.reference import PendingAppend
+from sparsekv.kernels.reference import PendingAppend, group_scores
 
 from .. import ops
 from ..artifacts import load_artifact
@@ -231,22 +231,22 @@ class Saap(Method):
         return cfg
 
 
-def _ranks(scores: torch.Tensor) -> torch.Tensor:
-    """fp32 rank of each value along the last dim, 0 for the largest (ties in sort order)."""
-    order = torch.argsort(scores, dim=-1, descending=True, stable=True)
-    idx = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.float32).expand(order.shape)
-    return torch.empty_like(scores, dtype=torch.float32).scatter_(-1, order, idx.contiguous())
+def _ranks(order: torch.Tensor) -> torch.Tensor:
+    """fp32 rank of each bucket [..., C] (0 the first) from `order`, the buckets best first."""
+    idx = torch.arange(order.shape[-1], device=order.device, dtype=torch.float32).expand(order.shape)
+    return torch.empty(order.shape, device=order.device).scatter_(-1, order, idx.contiguous())
 
 
 def mixed_ranking(model_logits: torch.Tensor, centroid_logits: torch.Tensor, group: int,
                   share: float) -> torch.Tensor:
     """[B, Hq, C] scores whose top ℓ, per group of `group` query heads, are the best buckets of the Q-model's ranking
     and of the centroids' (each the group's summed softmaxes of its heads' logits) taken in turn, a share `share` of
-    them the centroids': a bucket scores by its better rank, each scaled by its ranking's share; ties (and scores
-    within a quarter of a rank) go to the Q-model's order. Every head of a group gets its group's scores (the
-    select's group sum keeps their order)."""
-    B, Hq, C = model_logits.shape
-    rq, rc = (_ranks(torch.softmax(s.float(), -1).view(B, Hq // group, group, C).sum(2))
+    them the centroids': a bucket's turn is its better rank, each scaled by its ranking's share; equal turns go in
+    the Q-model's order. The scores are minus the buckets' places in that order, whole numbers that
+    `bucket_rank_keys` keeps apart, so the select reads them in exactly that order. Every head of a group gets its
+    group's scores (the select's group sum keeps their order)."""
+    oq, oc = (torch.argsort(group_scores(s, group, True), dim=-1, descending=True, stable=True)
               for s in (model_logits, centroid_logits))
-    best = torch.maximum(-rq / (1 - share), -rc / share) - rq / (4 * C)  # the Q-model's order breaks ties
-    return best.repeat_interleave(group, dim=1)
+    turn = torch.minimum(_ranks(oq) / (1 - share), _ranks(oc) / share)
+    order = oq.gather(-1, torch.argsort(turn.gather(-1, oq), dim=-1, stable=True))  # by turn, then the Q-model's
+    return (-_ranks(order)).repeat_interleave(group, dim=1)
