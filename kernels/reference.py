@@ -806,12 +806,14 @@ class PendingAppend:
 
 
 def bucket_logits_reference(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
-                            append: PendingAppend | None = None) -> torch.Tensor:
+                            append: PendingAppend | None = None, centroids_too: bool = False
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """fp32 [B, Hq, C]: each query x [B, Hq, 1, D] scored against its KV head's C buckets: the folded Q-model's
     logits relu(x w1 + b1) w2 + b2 (model = (w1 [Hkv, D, M], b1 [Hkv, M], w2 [Hkv, M, C], b2 [Hkv, C])), else the
     inner products with the centroids [Hkv, C, D]. Products take their inputs in the weights' dtype (x and the
     hidden layer rounded to it, as tensor cores read them) and sum in fp32. `append`: a decode step's
-    `saap_append_reference` with these centroids, done first."""
+    `saap_append_reference` with these centroids, done first. `centroids_too` (with a Q-model): the pair (its
+    logits, the centroids' inner products), for `mixed_group_scores`."""
     if append is not None:
         a = append
         saap_append_reference(a.buckets, a.ordinals, a.counts, centroids, a.k, a.pos, a.sink, a.window,
@@ -826,7 +828,12 @@ def bucket_logits_reference(x: torch.Tensor, centroids: torch.Tensor, model: tup
         w1, b1, w2, b2 = (t.float() for t in model)
         h = torch.relu(xg @ w1 + b1.unsqueeze(-2)).to(dt).float()
         s = h @ w2 + b2.unsqueeze(-2)
-    return s.reshape(B, Hq, C)
+    s = s.reshape(B, Hq, C)
+    if centroids_too:
+        if model is None:
+            raise ValueError("bucket_logits: centroids_too pairs a Q-model's logits with the centroids'")
+        return s, bucket_logits_reference(x, centroids)
+    return s
 
 
 def slot_bases(counts: torch.Tensor, chosen: torch.Tensor, newest_first: bool = False) -> torch.Tensor:
@@ -861,14 +868,46 @@ def group_scores(scores: torch.Tensor, group: int, softmax: bool) -> torch.Tenso
     return s.view(B, Hq // group, group, C).sum(2)
 
 
+def mix_factors(share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 factors 1 / (1 - share) and 1 / share that turn the two rankings' ranks into turns: a Triton kernel
+    given them as floats rounds them to fp32 the same way, and multiplies as these do."""
+    return torch.tensor(1 / (1 - share), dtype=torch.float32), torch.tensor(1 / share, dtype=torch.float32)
+
+
+def _ranks(order: torch.Tensor) -> torch.Tensor:
+    """int64 rank of each bucket [..., C] (0 the first) from `order`, the buckets best first."""
+    idx = torch.arange(order.shape[-1], device=order.device).expand(order.shape)
+    return torch.empty_like(order).scatter_(-1, order, idx.contiguous())
+
+
+def mixed_group_scores(scores: torch.Tensor, centroid_scores: torch.Tensor, group: int, softmax: bool,
+                       share: float) -> torch.Tensor:
+    """fp32 [B, Hq / group, C]: two rankings of each selection head's buckets taken in turn, a share `share` of
+    the best ones from the second (SAAP's `centroid_share`; 0 < share < 1). Each ranking orders `group_scores`
+    (of the Q-model's logits `scores`, and of the centroids' inner products `centroid_scores`, both [B, Hq, C]) by
+    `bucket_rank_keys`. A bucket's turn is its better rank, each rank times its ranking's factor (`mix_factors`,
+    fp32); equal turns go in the first ranking's order. The scores are minus each bucket's place in that order:
+    whole numbers that `bucket_rank_keys` keeps apart (up to 2^13 buckets), so the best `probes` of them are the
+    mix's first `probes`."""
+    oq, oc = (bucket_rank_keys(group_scores(s, group, softmax)).argsort(dim=-1, descending=True)
+              for s in (scores, centroid_scores))  # keys are distinct: one order
+    fq, fc = (f.to(scores.device) for f in mix_factors(share))
+    turn = torch.minimum(_ranks(oq).float() * fq, _ranks(oc).float() * fc)
+    order = oq.gather(-1, torch.argsort(turn.gather(-1, oq), dim=-1, stable=True))  # by turn, then the first's
+    return -_ranks(order).float()
+
+
 def bucket_bases_reference(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1,
-                           softmax: bool = False, newest_first: bool = False) -> torch.Tensor:
+                           softmax: bool = False, newest_first: bool = False,
+                           centroid_scores: torch.Tensor | None = None, centroid_share: float = 0.0) -> torch.Tensor:
     """int32 [B, Hs, C + 1], Hs = Hq / group: the `probes` best buckets of each selection head, their lists laid end
     to end best first (`slot_bases`). scores [B, Hq, C] (fp32 logits; `softmax`: each query head's distribution
     first), summed over each selection head's `group` query heads (SAAP's §5 "Batched queries"); the best are the
-    highest sums as `bucket_rank_keys` orders them. counts [B, Hkv, C + 1]: selection head h reads KV head
+    highest sums as `bucket_rank_keys` orders them. With `centroid_scores` and a `centroid_share` in (0, 1), the
+    best are the first of `mixed_group_scores` instead. counts [B, Hkv, C + 1]: selection head h reads KV head
     h // (Hs / Hkv)."""
-    s = group_scores(scores, group, softmax)
+    s = group_scores(scores, group, softmax) if not centroid_share else \
+        mixed_group_scores(scores, centroid_scores, group, softmax, centroid_share)
     chosen = bucket_rank_keys(s).topk(probes, dim=-1).indices  # keys are distinct: one order
     per = s.shape[1] // counts.shape[1]
     return slot_bases(counts.repeat_interleave(per, dim=1) if per > 1 else counts, chosen, newest_first)
@@ -888,11 +927,13 @@ def bucket_gather_reference(buckets: torch.Tensor, ordinals: torch.Tensor, bases
 
 def bucket_select_reference(scores: torch.Tensor, counts: torch.Tensor, buckets: torch.Tensor,
                             ordinals: torch.Tensor, probes: int, group: int, softmax: bool, newest_first: bool,
-                            cap: int, lo: int, hi: int, bounds: RowBounds | None = None
+                            cap: int, lo: int, hi: int, bounds: RowBounds | None = None,
+                            centroid_scores: torch.Tensor | None = None, centroid_share: float = 0.0
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """SAAP's selection from the bucket logits: `bucket_bases_reference` then `bucket_gather_reference` (same
     arguments, same result)."""
-    bases = bucket_bases_reference(scores, counts, probes, group, softmax, newest_first)
+    bases = bucket_bases_reference(scores, counts, probes, group, softmax, newest_first, centroid_scores,
+                                   centroid_share)
     return bucket_gather_reference(buckets, ordinals, bases, cap, lo, hi, bounds)
 
 

@@ -12,13 +12,15 @@ append         one program per (batch row, KV head, block of centroids): the blo
 bucket_logits  the folded Q-model's logits relu(x w1 + b1) w2 + b2 in two launches, one program per (block of the
                hidden layer, then of buckets; KV head; block of query rows): a KV head's weights are read once for
                its query group over the whole batch, by many programs at once. Without a Q-model, one launch of
-               the second kind: the queries' inner products with the centroids.
+               the second kind: the queries' inner products with the centroids. With the centroids' ranking mixed
+               in (`centroids_too`), the second launch's programs also take those for their block of buckets.
 bucket_bases   one program per (batch row, selection head): each query head's softmax (Q-model), the group's sum,
                the `probes` best buckets by a top-k of 32-bit rank keys (score and bucket in one int32, ties to the
                lower bucket: reference.bucket_rank_keys), and the table of each bucket's first slot (-1 unvisited)
                with the chosen lists end to end. In `bucket_select` it also fills the gather's output with -1 and
                zeroes its counter (no torch launches around the gather). Eight warps: the top-k is the program's
-               critical path.
+               critical path. With two rankings taken in turn (`centroid_share`), a top-k of each, their ranks
+               exchanged through a scratch row, and a top-k of every bucket's turn.
 bucket_gather  one program per chunk of positions of one (batch row, selection head): it reads the bucket and list
                ordinal of each key (8 bytes a key, against the 2·D·2 bytes of its K/V in 16 bits), looks up its
                bucket's first slot and stores the position at base + ordinal (ordinals are negative in newest-first
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import PendingAppend, RowBounds
+from .reference import PendingAppend, RowBounds, mix_factors
 from .region import window_first
 
 CHUNK = 2048  # positions per gather program: 64 programs per head at 131072 keys
@@ -176,12 +178,28 @@ def _hidden_kernel(X, W1, B1, H, n_rows, G, M, s_xb, s_xh, s_hb, s_hh,
 
 
 @triton.jit
+def _product(A, W, a_off, r_ok, kv, c, c_ok, K, s_wh, s_wk, s_wc,
+             RB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """fp32 [RB, BLOCK_C]: rows A[a_off, :K] times the block of columns c of KV head kv's W [K, C] (strides given)."""
+    acc = tl.zeros([RB, BLOCK_C], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        w = tl.load(W + kv * s_wh + kk[:, None] * s_wk + c[None, :] * s_wc, mask=k_ok[:, None] & c_ok[None, :],
+                    other=0.0)
+        a = tl.load(A + a_off[:, None] + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(w.dtype), w, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _logits_kernel(A, W, BIAS, OUT, n_rows, G, C, K, s_ab, s_ah, s_wh, s_wk, s_wc, s_ob, s_oh,
+                   X2, CENT2, OUT2, D2, s_xb, s_xh,
                    AK, ACENT, ABKT, AORD, ACNT, APOS, ABEST, ADONE, AC, AHkv, a_sink, a_window,
                    as_kb, as_kh, as_ch, as_cc, as_bb, as_bh, as_nb, as_nh, a_rows, a_blocks,
                    RB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   PREC: tl.constexpr, APPEND: tl.constexpr, AD: tl.constexpr, ADP: tl.constexpr,
-                   ABLOCK_C: tl.constexpr, ANEWEST: tl.constexpr):
+                   PREC: tl.constexpr, CENTROIDS_TOO: tl.constexpr, APPEND: tl.constexpr, AD: tl.constexpr,
+                   ADP: tl.constexpr, ABLOCK_C: tl.constexpr, ANEWEST: tl.constexpr):
     c_blocks = tl.cdiv(C, BLOCK_C)
     if APPEND and tl.program_id(0) >= c_blocks:  # the programs past the logits' own carry out the append
         lin = ((tl.program_id(0) - c_blocks) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) \
@@ -196,25 +214,25 @@ def _logits_kernel(A, W, BIAS, OUT, n_rows, G, C, K, s_ab, s_ah, s_wh, s_wk, s_w
         o_off, _ = _rows(s_ob, s_oh, kv, G, n_rows, RB)
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
-        acc = tl.zeros([RB, BLOCK_C], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            w = tl.load(W + kv * s_wh + kk[:, None] * s_wk + c[None, :] * s_wc, mask=k_ok[:, None] & c_ok[None, :],
-                        other=0.0)
-            a = tl.load(A + a_off[:, None] + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(a.to(w.dtype), w, input_precision=PREC)
+        acc = _product(A, W, a_off, r_ok, kv, c, c_ok, K, s_wh, s_wk, s_wc,
+                       RB=RB, BLOCK_C=BLOCK_C, BLOCK_K=BLOCK_K, PREC=PREC)
         if HAS_BIAS:
             acc += tl.load(BIAS + kv * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(OUT + o_off[:, None] + c[None, :], acc, mask=r_ok[:, None] & c_ok[None, :])
+        if CENTROIDS_TOO:  # the same block of buckets scored by the queries' inner products with the centroids
+            x_off, _ = _rows(s_xb, s_xh, kv, G, n_rows, RB)
+            acc = _product(X2, CENT2, x_off, r_ok, kv, c, c_ok, D2, C * D2, 1, D2,
+                           RB=RB, BLOCK_C=BLOCK_C, BLOCK_K=BLOCK_K, PREC=PREC)
+            tl.store(OUT2 + o_off[:, None] + c[None, :], acc, mask=r_ok[:, None] & c_ok[None, :])
 
 
 def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
-                  append: PendingAppend | None = None, block_c: int = 32, block_m: int = 64,
-                  num_warps: int = 4) -> torch.Tensor:
+                  append: PendingAppend | None = None, centroids_too: bool = False, block_c: int = 32,
+                  block_m: int = 64, num_warps: int = 4) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.bucket_logits_reference`: fp32 [B, Hq, C] of queries x [B, Hq, 1, D]. Two launches
     with a Q-model (its hidden layer [B, Hq, M] in the weights' dtype, then the logits), one without; `append`
-    runs as extra programs of the logits' launch (its ~2 dependent atomics a row overlap the logits' reads)."""
+    runs as extra programs of the logits' launch (its ~2 dependent atomics a row overlap the logits' reads);
+    `centroids_too`: the logits' programs also score their block of buckets by the centroids."""
     B, Hq, n, D = x.shape
     Hkv, C, _ = centroids.shape
     if n != 1 or centroids.shape[2] != D or Hq % Hkv:
@@ -228,8 +246,10 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
     DP = max(16, triton.next_power_of_2(D))
     out = torch.empty(B, Hq, C, dtype=torch.float32, device=x.device)
     rows = triton.cdiv(n_rows, RB)
+    cent = centroids.contiguous()
     if model is None:
-        cent = centroids.contiguous()
+        if centroids_too:
+            raise ValueError("bucket_logits: centroids_too pairs a Q-model's logits with the centroids'")
         a, w, bias, K, w_strides = x, cent, cent, D, (C * D, 1, D)  # K = dims, the centroids read transposed
         prec = _prec(cent.dtype)
     else:
@@ -252,11 +272,14 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
     else:  # unread placeholders
         app_args = [out] * 8 + [0] * 14
         app_const = dict(AD=16, ADP=16, ABLOCK_C=16, ANEWEST=False)
+    out2 = torch.empty_like(out) if centroids_too else out  # unread placeholder without
     _logits_kernel[(triton.cdiv(C, block_c) + extra, Hkv, rows)](
         a, w, bias, out, n_rows, G, C, K, a.stride(0), a.stride(1), *w_strides, out.stride(0), out.stride(1),
+        x, cent, out2, D, x.stride(0), x.stride(1),
         *app_args, RB=RB, BLOCK_C=block_c, BLOCK_K=min(block_m, max(16, triton.next_power_of_2(K))),
-        HAS_BIAS=model is not None, PREC=prec, APPEND=append is not None, **app_const, num_warps=num_warps)
-    return out
+        HAS_BIAS=model is not None, PREC=prec, CENTROIDS_TOO=centroids_too, APPEND=append is not None, **app_const,
+        num_warps=num_warps)
+    return (out, out2) if centroids_too else out
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -278,10 +301,56 @@ def _rank_key32(score, idx, LOG_C: tl.constexpr):
 
 
 @triton.jit
-def _bases_kernel(S, CNT, BASES, OUT, COUNT, C, G, Hs, sel_per_kv, probes, cap,
+def _group_sum(S, b, hs, s_sb, s_sh, C, G, GP: tl.constexpr, CP: tl.constexpr, SOFTMAX: tl.constexpr):
+    """fp32 [CP]: selection head hs's bucket scores (`reference.group_scores`), -inf past C."""
+    g = tl.arange(0, GP)
+    c = tl.arange(0, CP)
+    ok = (g < G)[:, None] & (c < C)[None, :]
+    s = tl.load(S + b * s_sb + (hs * G + g)[:, None] * s_sh + c[None, :], mask=ok, other=float("-inf"))
+    if SOFTMAX:  # each query head's distribution over the buckets
+        top = tl.max(s, 1)
+        e = tl.where(ok, tl.exp(s - tl.where(top == float("-inf"), 0.0, top)[:, None]), 0.0)  # padding rows: 0
+        s = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
+    return tl.where(c < C, tl.sum(tl.where(ok, s, 0.0), 0), float("-inf"))
+
+
+@triton.jit
+def _best_buckets(score, LOG_C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
+    """The KP best buckets of scores [CP], best first, as `reference.bucket_rank_keys` orders them."""
+    best = tl.topk(_rank_key32(score, tl.arange(0, CP), LOG_C), KP)  # keys are distinct
+    return (1 << LOG_C) - 1 - (best & ((1 << LOG_C) - 1))
+
+
+@triton.jit
+def _mixed_best(score, score2, scratch, fq, fc, C, LOG_C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
+    """The first KP buckets of `reference.mixed_group_scores`: each ranking's KP best (every bucket the mix's first
+    KP can hold: its k-th place comes no later than the k-th of either ranking), their ranks spread over the buckets
+    through `scratch` (2 x CP int32; the others a rank past KP), the turns, then the best KP of (turn, first
+    ranking's rank, bucket) packed in an int64. A rank past KP never decides a place among the first KP: the bucket
+    it belongs to comes earlier by its other rank, or after them."""
+    c = tl.arange(0, CP)
+    r = tl.arange(0, KP)
+    far = 1 << 24  # a rank no ranking gives: its turn is past every known one
+    tl.store(scratch + c, tl.full([CP], far, tl.int32))
+    tl.store(scratch + CP + c, tl.full([CP], far, tl.int32))
+    tl.debug_barrier()
+    tl.store(scratch + _best_buckets(score, LOG_C, CP, KP), r)
+    tl.store(scratch + CP + _best_buckets(score2, LOG_C, CP, KP), r)
+    tl.debug_barrier()
+    rq = tl.load(scratch + c)
+    rc = tl.load(scratch + CP + c)
+    turn = tl.minimum(rq.to(tl.float32) * fq, rc.to(tl.float32) * fc)  # >= 0: its bits order as it does
+    key = (turn.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tl.minimum(rq, KP).to(tl.int64) << (LOG_C + 1)) \
+        | c.to(tl.int64)
+    key = tl.where(c < C, key, 0x7FFFFFFFFFFFFFFF)  # padding buckets last
+    return (~tl.topk(~key, KP) & (CP - 1)).to(tl.int32)  # the KP smallest keys, smallest first
+
+
+@triton.jit
+def _bases_kernel(S, S2, SCRATCH, CNT, BASES, OUT, COUNT, C, G, Hs, sel_per_kv, probes, cap, fq, fc,
                   s_sb, s_sh, s_nb, s_nh, s_bb, s_bh, s_ob, s_oh,
                   GP: tl.constexpr, CP: tl.constexpr, LOG_C: tl.constexpr, KP: tl.constexpr, SOFTMAX: tl.constexpr,
-                  NEWEST: tl.constexpr, FILL: tl.constexpr, FILL_BLOCK: tl.constexpr):
+                  MIX: tl.constexpr, NEWEST: tl.constexpr, FILL: tl.constexpr, FILL_BLOCK: tl.constexpr):
     bh = tl.program_id(0)
     b = bh // Hs
     hs = bh % Hs
@@ -292,17 +361,14 @@ def _bases_kernel(S, CNT, BASES, OUT, COUNT, C, G, Hs, sel_per_kv, probes, cap,
             tl.store(o + f, tl.full([FILL_BLOCK], -1, tl.int64), mask=f < cap)
         if bh == 0:
             tl.store(COUNT, 0)
-    g = tl.arange(0, GP)
     c = tl.arange(0, CP)
-    ok = (g < G)[:, None] & (c < C)[None, :]
-    s = tl.load(S + b * s_sb + (hs * G + g)[:, None] * s_sh + c[None, :], mask=ok, other=float("-inf"))
-    if SOFTMAX:  # each query head's distribution over the buckets
-        top = tl.max(s, 1)
-        e = tl.where(ok, tl.exp(s - tl.where(top == float("-inf"), 0.0, top)[:, None]), 0.0)  # padding rows: 0
-        s = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
-    score = tl.where(c < C, tl.sum(tl.where(ok, s, 0.0), 0), float("-inf"))
-    best = tl.topk(_rank_key32(score, c, LOG_C), KP)  # the KP best keys, best first (keys are distinct)
-    bucket = (1 << LOG_C) - 1 - (best & ((1 << LOG_C) - 1))
+    score = _group_sum(S, b, hs, s_sb, s_sh, C, G, GP=GP, CP=CP, SOFTMAX=SOFTMAX)
+    if MIX:  # two rankings taken in turn (SAAP's centroid_share)
+        score2 = _group_sum(S2, b, hs, s_sb, s_sh, C, G, GP=GP, CP=CP, SOFTMAX=SOFTMAX)
+        bucket = _mixed_best(score, score2, SCRATCH + bh.to(tl.int64) * 2 * CP, fq, fc, C,
+                             LOG_C=LOG_C, CP=CP, KP=KP)
+    else:
+        bucket = _best_buckets(score, LOG_C=LOG_C, CP=CP, KP=KP)
     r = tl.arange(0, KP)  # the rank
     chosen = r < probes
     cnt = tl.load(CNT + b * s_nb + (hs // sel_per_kv) * s_nh + bucket, mask=chosen, other=0)
@@ -315,7 +381,8 @@ def _bases_kernel(S, CNT, BASES, OUT, COUNT, C, G, Hs, sel_per_kv, probes, cap,
 
 
 def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1, softmax: bool = False,
-                 newest_first: bool = False, out: torch.Tensor | None = None, count: torch.Tensor | None = None,
+                 newest_first: bool = False, centroid_scores: torch.Tensor | None = None, centroid_share: float = 0.0,
+                 out: torch.Tensor | None = None, count: torch.Tensor | None = None,
                  num_warps: int = 8) -> torch.Tensor:
     """Contract of `reference.bucket_bases_reference`: int32 [B, Hq / group, C + 1]. Given the gather's output
     `out` [B, Hq / group, cap] (int64) and its counter `count` (int32 [1]), the same launch fills the one with -1
@@ -323,12 +390,13 @@ def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group:
     B, Hq, C = scores.shape
     Hkv = counts.shape[1]
     Hs = Hq // group
-    if Hq % group or Hs % Hkv or counts.shape != (B, Hkv, C + 1) or not 1 <= probes <= C:
-        raise ValueError(f"bucket_bases: scores {tuple(scores.shape)}, group {group}, counts {tuple(counts.shape)} "
-                         f"and probes {probes} do not fit together")
-    s = scores.float()
-    if s.stride(-1) != 1:
-        s = s.contiguous()
+    mix = bool(centroid_share)
+    if Hq % group or Hs % Hkv or counts.shape != (B, Hkv, C + 1) or not 1 <= probes <= C or \
+            (mix and (centroid_scores is None or centroid_scores.shape != scores.shape or not 0 < centroid_share < 1)):
+        raise ValueError(f"bucket_bases: scores {tuple(scores.shape)}, group {group}, counts {tuple(counts.shape)}, "
+                         f"probes {probes} and the centroid share {centroid_share} do not fit together")
+    s = scores.float().contiguous()
+    s2 = centroid_scores.float().contiguous() if mix else s  # an unread placeholder without the mix
     if counts.stride(-1) != 1:
         counts = counts.contiguous()
     bases = torch.empty(B, Hs, C + 1, dtype=torch.int32, device=scores.device)
@@ -338,13 +406,15 @@ def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group:
     log_c = max(1, (C - 1).bit_length())
     CP = 1 << log_c
     o, cnt_out = (out, count) if fill else (bases, bases)  # unread placeholders without a fill
+    scratch = torch.empty(B * Hs * 2 * CP if mix else 1, dtype=torch.int32, device=scores.device)
+    fq, fc = (float(f) for f in mix_factors(centroid_share)) if mix else (1.0, 1.0)
     _bases_kernel[(B * Hs,)](
-        s, counts, bases, o, cnt_out, C, group, Hs, Hs // Hkv, probes, o.shape[-1] if fill else 0,
-        s.stride(0), s.stride(1), counts.stride(0), counts.stride(1), bases.stride(0), bases.stride(1),
+        s, s2, scratch, counts, bases, o, cnt_out, C, group, Hs, Hs // Hkv, probes, o.shape[-1] if fill else 0,
+        fq, fc, s.stride(0), s.stride(1), counts.stride(0), counts.stride(1), bases.stride(0), bases.stride(1),
         o.stride(0), o.stride(1),
         GP=triton.next_power_of_2(group), CP=CP, LOG_C=log_c,
-        KP=min(CP, max(2, triton.next_power_of_2(probes))), SOFTMAX=softmax, NEWEST=newest_first, FILL=fill,
-        FILL_BLOCK=1024, num_warps=num_warps)
+        KP=min(CP, max(2, triton.next_power_of_2(probes))), SOFTMAX=softmax, MIX=mix, NEWEST=newest_first,
+        FILL=fill, FILL_BLOCK=1024, num_warps=num_warps)
     return bases
 
 
@@ -415,11 +485,13 @@ def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Te
 
 def bucket_select(scores: torch.Tensor, counts: torch.Tensor, buckets: torch.Tensor, ordinals: torch.Tensor,
                   probes: int, group: int, softmax: bool, newest_first: bool, cap: int, lo: int, hi: int,
-                  bounds: RowBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  bounds: RowBounds | None = None, centroid_scores: torch.Tensor | None = None,
+                  centroid_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.bucket_select_reference`: `bucket_bases` (which also fills the output and zeroes
     the counter) then `bucket_gather`, two launches."""
     B, Hq, _ = scores.shape
     out = torch.empty(B, Hq // group, cap, dtype=torch.int64, device=scores.device)
     count = torch.empty(1, dtype=torch.int32, device=scores.device)
-    bases = bucket_bases(scores, counts, probes, group, softmax, newest_first, out=out, count=count)
+    bases = bucket_bases(scores, counts, probes, group, softmax, newest_first, centroid_scores, centroid_share,
+                         out=out, count=count)
     return bucket_gather(buckets, ordinals, bases, cap, lo, hi, bounds, out=out, count=count)

@@ -313,28 +313,33 @@ def saap_append(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Ten
 
 
 def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
-                  append: ref.PendingAppend | None = None) -> torch.Tensor:
+                  append: ref.PendingAppend | None = None,
+                  centroids_too: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """fp32 [B, Hq, C]: queries x [B, Hq, 1, D] scored against their KV head's buckets by the folded Q-model
     (w1, b1, w2, b2), else by the centroids' inner products. `append`: a decode step's `saap_append` with these
-    centroids, carried out first (by the kernel, in the same launch)."""
+    centroids, carried out first (by the kernel, in the same launch). `centroids_too` (with a Q-model): the pair
+    (its logits, the centroids' inner products), from the same launch."""
     if use_kernels(x.device):
         from sparsekv.kernels.saap import bucket_logits as kernel
 
-        return kernel(x, centroids, model, append)
-    return ref.bucket_logits_reference(x, centroids, model, append)
+        return kernel(x, centroids, model, append, centroids_too)
+    return ref.bucket_logits_reference(x, centroids, model, append, centroids_too)
 
 
 def bucket_select(scores: torch.Tensor, counts: torch.Tensor, buckets: torch.Tensor, ordinals: torch.Tensor,
                   probes: int, group: int, softmax: bool, newest_first: bool, cap: int, lo: int, hi: int,
-                  bounds: ref.RowBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  bounds: ref.RowBounds | None = None, centroid_scores: torch.Tensor | None = None,
+                  centroid_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """SAAP's selection from the bucket logits: the `probes` best buckets of each selection head (scores summed over
-    its `group` query heads, each softmaxed first with `softmax`), their lists laid end to end best first, and the
-    positions [B, Hs, cap] (-1 pads) of the keys in [lo, hi) (and each row's region from `bounds`) that land in
-    them: the key at p goes to slot base[bucket[p]] + ordinals[p]. Also how many landed, summed over rows and heads
-    (0-dim int32, on the device)."""
+    its `group` query heads, each softmaxed first with `softmax`; with `centroid_scores` and a `centroid_share`,
+    the first of `mixed_group_scores`), their lists laid end to end best first, and the positions [B, Hs, cap]
+    (-1 pads) of the keys in [lo, hi) (and each row's region from `bounds`) that land in them: the key at p goes to
+    slot base[bucket[p]] + ordinals[p]. Also how many landed, summed over rows and heads (0-dim int32, on the
+    device)."""
     if use_kernels(scores.device):
         from sparsekv.kernels.saap import bucket_select as kernel
 
-        return kernel(scores, counts, buckets, ordinals, probes, group, softmax, newest_first, cap, lo, hi, bounds)
+        return kernel(scores, counts, buckets, ordinals, probes, group, softmax, newest_first, cap, lo, hi, bounds,
+                      centroid_scores, centroid_share)
     return ref.bucket_select_reference(scores, counts, buckets, ordinals, probes, group, softmax, newest_first, cap,
-                                       lo, hi, bounds)
+                                       lo, hi, bounds, centroid_scores, centroid_share)

@@ -234,9 +234,9 @@ def test_bucket_gather_kernel_equals_its_reference_and_the_lists(case, rows, new
 @pytest.mark.parametrize("heads", [(6, 2), (2, 2)], ids=["groups of 3", "no GQA"])
 @pytest.mark.parametrize("append", [False, True], ids=["", "with the append"])
 def test_bucket_logits_kernel_equals_its_reference(dtype, model, heads, append):
-    """The queries' bucket logits (both layers of the folded Q-model, or the centroids' inner products) = the
-    reference, over a batch and a bucket count that is no power of two; with a decode step's append carried out by
-    extra programs of the logits' launch, the lists equal the reference's too."""
+    """The queries' bucket logits (both layers of the folded Q-model, or the centroids' inner products; with the
+    Q-model, also both at once) = the reference, over a batch and a bucket count that is no power of two; with a
+    decode step's append carried out by extra programs of the logits' launch, the lists equal the reference's too."""
     from sparsekv.kernels.saap import bucket_logits
 
     Hq, Hkv = heads
@@ -261,6 +261,13 @@ def test_bucket_logits_kernel_equals_its_reference(dtype, model, heads, append):
     torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
     for a, b, before in zip(got_lists, want_lists, lists):
         assert torch.equal(a.cpu(), b) and torch.equal(b, before) != append
+    if model:  # the centroids' inner products from the same launch
+        want2 = bucket_logits_reference(x, cents, w, centroids_too=True)
+        got2 = bucket_logits(x.to(DEV), cents.to(DEV), tuple(t.to(DEV) for t in w), centroids_too=True, block_c=16,
+                             block_m=16)
+        for a, b in zip(got2, want2):
+            torch.testing.assert_close(a.cpu(), b, atol=tol, rtol=tol)
+        torch.testing.assert_close(want2[1], bucket_logits_reference(x, cents))
 
 
 @pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "raw scores"])
@@ -288,6 +295,32 @@ def test_bucket_bases_kernel_equals_its_reference(softmax, group, newest_first, 
     assert ((want[..., :C] >= 0).sum(-1) == probes).all() and (want[..., C] == -1).all()
     if probes < C:
         assert (want[..., 20:27] >= 0).all() and (want[..., 27:30] == -1).all()  # the tie goes to the lower buckets
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25, 0.8])
+@pytest.mark.parametrize("group,softmax", [(3, True), (1, True), (3, False)], ids=["group", "per head", "raw"])
+@pytest.mark.parametrize("probes", [5, 16, 37])
+def test_mixed_bucket_bases_kernel_equals_its_reference(share, group, softmax, probes):
+    """Two rankings taken in turn inside the bases' launch = the reference's `mixed_group_scores`: the chosen
+    buckets and their order (the lists' first slots), with rankings that agree on some buckets, ties within each,
+    a bucket count that is no power of two, and every bucket chosen."""
+    from sparsekv.kernels.saap import bucket_bases
+
+    B, Hkv, G, C = 2, 2, 3, 37
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(B, Hkv * G, C, generator=g)
+    cent = torch.randn(B, Hkv * G, C, generator=g)
+    cent[..., :10] = scores[..., :10] + 0.5  # both rankings favour some of the same buckets
+    scores[..., 20:26] = scores[..., 20:21] + 3  # ties in the first ranking ...
+    cent[..., 12:18] = cent[..., 12:13] + 3  # ... and in the second
+    counts = torch.randint(0, 9, (B, Hkv, C + 1), generator=g, dtype=torch.int32)
+    counts[..., C] = 0
+    want = bucket_bases_reference(scores, counts, probes, group, softmax, True, cent, share)
+    got = bucket_bases(scores.to(DEV), counts.to(DEV), probes, group, softmax, True, cent.to(DEV), share)
+    assert torch.equal(got.cpu(), want)
+    assert ((want[..., :C] >= 0).sum(-1) == probes).all()
+    with pytest.raises(ValueError, match="do not fit together"):
+        bucket_bases(scores.to(DEV), counts.to(DEV), probes, group, softmax, True, None, share)
 
 
 def test_bucket_rank_keys_order_as_the_scores_ties_to_the_lower_bucket():
@@ -719,10 +752,9 @@ def _top(scores: torch.Tensor, n: int) -> list[int]:
 @pytest.mark.parametrize("share,from_centroids", [(0.5, 4), (0.25, 2), (0.75, 6)])
 def test_mixed_ranking_takes_each_rankings_best_in_turn(share, from_centroids):
     """With disjoint favourites, the top 8 of the mix are the Q-model's best 8 - n and the centroids' best n, n the
-    share of 8; every head of a group gets the same scores; a tie at rank 0 goes to the Q-model; the select's rank
-    keys order the buckets as the scores do."""
-    from sparsekv.kernels.reference import bucket_rank_keys
-    from sparsekv.methods.saap import mixed_ranking
+    share of 8, per group; a tie at rank 0 goes to the Q-model; the select's rank keys order the buckets as the
+    scores do."""
+    from sparsekv.kernels.reference import bucket_rank_keys, mixed_group_scores
 
     C, group = 32, 3
     g = torch.Generator().manual_seed(0)
@@ -730,17 +762,17 @@ def test_mixed_ranking_takes_each_rankings_best_in_turn(share, from_centroids):
     qm[..., 16:] -= 20  # the Q-model prefers buckets 0..15 in every head, the centroids 16..31
     cent = torch.randn(1, 2 * group, C, generator=g)
     cent[..., :16] -= 20
-    mixed = mixed_ranking(qm, cent, group, share)
+    mixed = mixed_group_scores(qm, cent, group, True, share)
+    assert mixed.shape == (1, 2, C)
     for kv in range(2):
         heads = slice(kv * group, (kv + 1) * group)
-        assert torch.equal(mixed[0, heads], mixed[0, kv * group].expand(group, C))
         q_best = _top(torch.softmax(qm[0, heads], -1).sum(0), 8 - from_centroids)
         c_best = _top(torch.softmax(cent[0, heads], -1).sum(0), from_centroids)
-        assert sorted(_top(mixed[0, kv * group], 8)) == sorted(q_best + c_best)
-        assert _top(mixed[0, kv * group], 1) == q_best[:1]  # a tie at rank 0 goes to the Q-model
+        assert sorted(_top(mixed[0, kv], 8)) == sorted(q_best + c_best)
+        assert _top(mixed[0, kv], 1) == q_best[:1]  # a tie at rank 0 goes to the Q-model
         # the select's 32-bit rank keys keep every place apart: it reads the buckets in the mix's own order
-        keys = bucket_rank_keys(mixed[0, kv * group])
-        assert torch.equal(keys.argsort(descending=True), mixed[0, kv * group].argsort(descending=True))
+        keys = bucket_rank_keys(mixed[0, kv])
+        assert torch.equal(keys.argsort(descending=True), mixed[0, kv].argsort(descending=True))
 
 
 def test_centroid_share_selects_the_union_and_zero_is_the_paper():

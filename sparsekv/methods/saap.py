@@ -41,8 +41,9 @@ Two rankings (`centroid_share`, not in the paper; default 0: the Q-model's alone
 of the text it was fitted on; a query unlike that text (a needle's retrieval at answer time) can find its keys'
 buckets by the centroids' inner products where the Q-model ranks them low, and the reverse holds in other layers.
 With a share s, the visited buckets are the best of both rankings taken in turn, a share s of them by the centroids
-(`mixed_ranking`: each bucket scores by its better rank, the centroids' scaled by 1 / s and the Q-model's by
-1 / (1 - s)), so each ranking keeps its own best buckets instead of an average of the two.
+(kernels/reference.py::mixed_group_scores: each bucket's turn is its better rank, the centroids' scaled by 1 / s and
+the Q-model's by 1 / (1 - s)), so each ranking keeps its own best buckets instead of an average of the two. The
+logits' launch scores the centroids beside the Q-model, and the select's launch takes the turns.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.kernels.reference import PendingAppend, group_scores
+from sparsekv.kernels.reference import PendingAppend
 
 from .. import ops
 from ..artifacts import load_artifact
@@ -215,13 +216,13 @@ class Saap(Method):
             return split.selection()
         x = self._indexed(state, q_pre_rope if self.space == "pre" else q, "queries")
         group = x.shape[1] // state.centroids.shape[0] if self.pooling is Pooling.GROUP else 1
-        scores = ops.bucket_logits(x, state.centroids, state.model, append=self.take_pending(state))  # [B, Hq, C]
-        softmax = state.model is not None
-        if self.centroid_share:
-            scores = mixed_ranking(scores, ops.bucket_logits(x, state.centroids), group, self.centroid_share)
-            softmax = False  # one score vector per group, repeated: any sum of it keeps its order
+        mix = bool(self.centroid_share)
+        scores = ops.bucket_logits(x, state.centroids, state.model, append=self.take_pending(state),
+                                   centroids_too=mix)  # [B, Hq, C], and the centroids' with the mix
+        scores, centroid_scores = scores if mix else (scores, None)
         pos, count = ops.bucket_select(scores, state.counts, state.buckets, state.ordinals, self.probes, group,
-                                       softmax, self._newest, split.k, split.lo, split.hi, split.bounds())
+                                       state.model is not None, self._newest, split.k, split.lo, split.hi,
+                                       split.bounds(), centroid_scores, self.centroid_share)
         return split.selection(indices=pos, count=count)
 
     def config(self) -> dict[str, Any]:
@@ -230,23 +231,3 @@ class Saap(Method):
                    query_model=self.model is not None, cap_keep=self.cap_keep, centroid_share=self.centroid_share)
         return cfg
 
-
-def _ranks(order: torch.Tensor) -> torch.Tensor:
-    """fp32 rank of each bucket [..., C] (0 the first) from `order`, the buckets best first."""
-    idx = torch.arange(order.shape[-1], device=order.device, dtype=torch.float32).expand(order.shape)
-    return torch.empty(order.shape, device=order.device).scatter_(-1, order, idx.contiguous())
-
-
-def mixed_ranking(model_logits: torch.Tensor, centroid_logits: torch.Tensor, group: int,
-                  share: float) -> torch.Tensor:
-    """[B, Hq, C] scores whose top ℓ, per group of `group` query heads, are the best buckets of the Q-model's ranking
-    and of the centroids' (each the group's summed softmaxes of its heads' logits) taken in turn, a share `share` of
-    them the centroids': a bucket's turn is its better rank, each scaled by its ranking's share; equal turns go in
-    the Q-model's order. The scores are minus the buckets' places in that order, whole numbers that
-    `bucket_rank_keys` keeps apart, so the select reads them in exactly that order. Every head of a group gets its
-    group's scores (the select's group sum keeps their order)."""
-    oq, oc = (torch.argsort(group_scores(s, group, True), dim=-1, descending=True, stable=True)
-              for s in (model_logits, centroid_logits))
-    turn = torch.minimum(_ranks(oq) / (1 - share), _ranks(oc) / share)
-    order = oq.gather(-1, torch.argsort(turn.gather(-1, oq), dim=-1, stable=True))  # by turn, then the Q-model's
-    return (-_ranks(order)).repeat_interleave(group, dim=1)
