@@ -20,7 +20,7 @@ bucket_bases   one program per (batch row, selection head): each query head's so
                with the chosen lists end to end. In `bucket_select` it also fills the gather's output with -1 and
                zeroes its counter (no torch launches around the gather). Eight warps: the top-k is the program's
                critical path. With two rankings taken in turn (`centroid_share`), a top-k of each, their ranks
-               exchanged through a scratch row, and a top-k of every bucket's turn.
+               exchanged through a scratch row, and a top-k of the turns of those candidates.
 bucket_gather  one program per chunk of positions of one (batch row, selection head): it reads the bucket and list
                ordinal of each key (8 bytes a key, against the 2·D·2 bytes of its K/V in 16 bits), looks up its
                bucket's first slot and stores the position at base + ordinal (ordinals are negative in newest-first
@@ -322,27 +322,39 @@ def _best_buckets(score, LOG_C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr
 
 
 @triton.jit
+def _turn_keys(rq, rc, bucket, fq, fc, C, LOG_C: tl.constexpr, KP: tl.constexpr):
+    """int64 keys that order buckets as `reference.mixed_group_scores` places them: (turn, the first ranking's
+    rank, bucket), a rank of KP or more standing for every rank past the KP best (padding buckets last)."""
+    turn = tl.minimum(rq.to(tl.float32) * fq, rc.to(tl.float32) * fc)  # >= 0: its bits order as it does
+    key = (turn.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tl.minimum(rq, KP).to(tl.int64) << (LOG_C + 1)) \
+        | bucket.to(tl.int64)
+    return tl.where(bucket < C, key, 0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
 def _mixed_best(score, score2, scratch, fq, fc, C, LOG_C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
-    """The first KP buckets of `reference.mixed_group_scores`: each ranking's KP best (every bucket the mix's first
-    KP can hold: its k-th place comes no later than the k-th of either ranking), their ranks spread over the buckets
-    through `scratch` (2 x CP int32; the others a rank past KP), the turns, then the best KP of (turn, first
-    ranking's rank, bucket) packed in an int64. A rank past KP never decides a place among the first KP: the bucket
-    it belongs to comes earlier by its other rank, or after them."""
+    """The first KP buckets of `reference.mixed_group_scores`, first first. The mix's k-th place comes no later than
+    the k-th of either ranking, so its first KP are among each ranking's KP best: each list's ranks are spread over
+    the buckets through `scratch` (2 x CP int32, a rank past KP elsewhere) for the other list to read, and the
+    best KP of the two lists' turn keys (a bucket in both counted once) are the mix's first KP. An unknown rank (past
+    KP) never decides one of those places: its bucket comes earlier by its other rank, or after them."""
     c = tl.arange(0, CP)
     r = tl.arange(0, KP)
-    far = 1 << 24  # a rank no ranking gives: its turn is past every known one
+    far = 1 << 24  # a rank no list gives: its turn is past every known one
     tl.store(scratch + c, tl.full([CP], far, tl.int32))
     tl.store(scratch + CP + c, tl.full([CP], far, tl.int32))
     tl.debug_barrier()
-    tl.store(scratch + _best_buckets(score, LOG_C, CP, KP), r)
-    tl.store(scratch + CP + _best_buckets(score2, LOG_C, CP, KP), r)
+    bq = _best_buckets(score, LOG_C, CP, KP)
+    bc = _best_buckets(score2, LOG_C, CP, KP)
+    tl.store(scratch + bq, r)
+    tl.store(scratch + CP + bc, r)
     tl.debug_barrier()
-    rq = tl.load(scratch + c)
-    rc = tl.load(scratch + CP + c)
-    turn = tl.minimum(rq.to(tl.float32) * fq, rc.to(tl.float32) * fc)  # >= 0: its bits order as it does
-    key = (turn.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tl.minimum(rq, KP).to(tl.int64) << (LOG_C + 1)) \
-        | c.to(tl.int64)
-    key = tl.where(c < C, key, 0x7FFFFFFFFFFFFFFF)  # padding buckets last
+    rc_of_q = tl.load(scratch + CP + bq)
+    rq_of_c = tl.load(scratch + bc)
+    kq = _turn_keys(r, rc_of_q, bq, fq, fc, C, LOG_C, KP)
+    kc = _turn_keys(rq_of_c, r, bc, fq, fc, C, LOG_C, KP)
+    kc = tl.where(rq_of_c < KP, 0x7FFFFFFFFFFFFFFF, kc)  # in the first list too: its key is there
+    key = tl.reshape(tl.join(kq, kc), [2 * KP])  # any order: the top-k sorts
     return (~tl.topk(~key, KP) & (CP - 1)).to(tl.int32)  # the KP smallest keys, smallest first
 
 
