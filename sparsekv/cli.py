@@ -484,7 +484,7 @@ def dump(
         if task == "passkey" and (subtasks != "all" or haystack_file is not None):
             raise SparseKVError("--subtasks and --haystack-file are for --task ruler")
         if task == "ruler":
-            from .eval.ruler import resolve_subtasks
+            from .eval.ruler import check_room, resolve_subtasks
 
             resolve_subtasks(subtasks)
     tokens, n = 8192 if tokens is None else tokens, 10 if n is None else n
@@ -494,6 +494,8 @@ def dump(
         if value <= 0:
             raise SparseKVError(f"{option} must be positive, got {value}")
     check_seq_len(seq)  # before the model loads (the library checks it again for its callers)
+    if task == "ruler":
+        check_room(seq, resolve_subtasks(subtasks))
     if out.exists():
         raise SparseKVError(f"{out} already exists: choose a new folder")
     validate.model_checks(model, seqs=[seq])

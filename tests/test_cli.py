@@ -149,6 +149,10 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     (["dump", *TINY, "--n", "3", "--text-file", "{fx}/t.txt", "--out", "{tmp}/d"], "--n: for --task passkey or ruler"),
     (["dump", *TINY, "--task", "ppl", "--out", "{tmp}/d"], "--task must be passkey or ruler, got 'ppl'"),
     (["dump", *TINY, "--task", "ruler", "--subtasks", "nope", "--out", "{tmp}/d"], "unknown RULER subtask 'nope'"),
+    (["dump", *TINY, "--task", "ruler", "--subtasks", "niah", "--seq", "100", "--out", "{tmp}/d"],
+     "seq 100 is too short for RULER subtask niah_single_1: it generates 128 tokens alone"),
+    (["eval", *TINY, "--task", "ruler", "--subtasks", "vt,niah", "--seq", "300,100"],
+     "seq 100 is too short for RULER subtask niah_single_1"),
     (["dump", *TINY, "--task", "passkey", "--subtasks", "niah", "--out", "{tmp}/d"],
      "--subtasks and --haystack-file are for --task ruler"),
     # demo's numbers, before the default model loads and Adamas calibrates

@@ -85,6 +85,8 @@ def test_recall_leaves_out_queries_the_budget_covers(tiny, tmp_path):
     (EvalConfig(methods=["oracle"], options={"colour": 1}), "unknown method option(s) colour"),
     (EvalConfig(methods=["adamas"], options=MethodOptions(bits=5)), "adamas: bits must be 1, 2 or 3"),
     (EvalConfig("ruler", subtasks="niah,nope"), "unknown RULER subtask 'nope'"),
+    (EvalConfig("ruler", seqs=[4096, 128], subtasks="niah"), "seq 128 is too short for RULER subtask niah_single_1: "
+                                                              "it generates 128 tokens alone"),
     (EvalConfig(methods=["streaming"], options=MethodOptions(sink=0, window=0)), "attends no key"),
 ])
 def test_bad_config_fails_before_any_work(cfg, message):

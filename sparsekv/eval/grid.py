@@ -79,10 +79,11 @@ class EvalConfig:
             raise SparseKVError(f"text file not found: {self.text_file}")
         if self.haystack_file is not None and not Path(self.haystack_file).is_file():
             raise SparseKVError(f"haystack file not found: {self.haystack_file}")
-        if self.task == "ruler":  # a misspelt subtask fails here, not after the model loads
-            from .ruler import resolve_subtasks
+        if self.task == "ruler":  # a misspelt subtask or a length too short fails here, not after the model loads
+            from .ruler import check_room, resolve_subtasks
 
-            resolve_subtasks(self.subtasks)
+            for L in self.seqs:
+                check_room(L, resolve_subtasks(self.subtasks))
         if self.task == "recall" and self.acts is None:
             raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
         if self.task == "recall" and "dense" in self.methods:

@@ -5,8 +5,8 @@ extraction, and SQuAD / HotpotQA QA (through `datasets`; skipped with the reason
     samples, skipped = make_samples(tokenizer, 4096, n=20, subtasks="niah", haystack_file="essays.txt")
 """
 
-from .config import DEFAULT_SUBTASKS, GROUPS, SUBTASKS, resolve_subtasks, tokens_to_generate
+from .config import DEFAULT_SUBTASKS, GROUPS, SUBTASKS, check_room, resolve_subtasks, tokens_to_generate
 from .generate import make_samples, skipped_subtasks
 
-__all__ = ["SUBTASKS", "DEFAULT_SUBTASKS", "GROUPS", "make_samples", "resolve_subtasks", "skipped_subtasks",
-           "tokens_to_generate"]
+__all__ = ["SUBTASKS", "DEFAULT_SUBTASKS", "GROUPS", "check_room", "make_samples", "resolve_subtasks",
+           "skipped_subtasks", "tokens_to_generate"]

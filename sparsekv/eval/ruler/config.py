@@ -91,6 +91,15 @@ def tokens_to_generate(subtask: str) -> int:
     return TEMPLATES[CONFIGS[subtask]["task"]]["tokens_to_generate"]
 
 
+def check_room(seq_len: int, subtasks: list[str]) -> None:
+    """A length that cannot hold a subtask's generated tokens fails here, before any model or tokenizer loads (the
+    prompts' own lengths need the tokenizer: `make_samples` checks those)."""
+    for name in subtasks:
+        if seq_len <= tokens_to_generate(name):
+            raise SparseKVError(f"seq {seq_len} is too short for RULER subtask {name}: it generates "
+                                f"{tokens_to_generate(name)} tokens alone")
+
+
 def resolve_subtasks(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
     """Subtask names, group names (all, niah, niah_single, niah_multikey, aggregation, qa, synthetic) or a
     comma-separated string of them -> subtask names in RULER's order, each once."""

@@ -11,7 +11,7 @@ from ..prompts import build_prompt
 from ..sample import Sample
 from . import qa
 from .base import Generator, Rendered
-from .config import CONFIGS, resolve_subtasks, tokens_to_generate
+from .config import CONFIGS, check_room, resolve_subtasks, tokens_to_generate
 from .cwe import CommonWords
 from .fit import largest_fitting
 from .fwe import FreqWords
@@ -174,11 +174,9 @@ def make_samples(tokenizer, seq_len: int, n: int, seed: int = 42, subtasks=None,
     samples: list[Sample] = []
     skipped: dict[str, str] = {}
     short: list[TooShort] = []
+    check_room(seq_len, names)
     for name in names:
         budget = seq_len - tokens_to_generate(name)
-        if budget <= 0:
-            raise SparseKVError(f"seq {seq_len} is too short for RULER subtask {name}: it generates "
-                                f"{tokens_to_generate(name)} tokens alone")
         try:
             gen = _generator(name, seq_len, budget, essay)
         except qa.QAUnavailable as e:
