@@ -813,7 +813,7 @@ def bucket_logits_reference(x: torch.Tensor, centroids: torch.Tensor, model: tup
     inner products with the centroids [Hkv, C, D]. Products take their inputs in the weights' dtype (x and the
     hidden layer rounded to it, as tensor cores read them) and sum in fp32. `append`: a decode step's
     `saap_append_reference` with these centroids, done first. `centroids_too` (with a Q-model): the pair (its
-    logits, the centroids' inner products), for `mixed_group_scores`."""
+    logits, the centroids' inner products), for `mixed_order`."""
     if append is not None:
         a = append
         saap_append_reference(a.buckets, a.ordinals, a.counts, centroids, a.k, a.pos, a.sink, a.window,
@@ -880,21 +880,18 @@ def _ranks(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(-1, order, idx.contiguous())
 
 
-def mixed_group_scores(scores: torch.Tensor, centroid_scores: torch.Tensor, group: int, softmax: bool,
-                       share: float) -> torch.Tensor:
-    """fp32 [B, Hq / group, C]: two rankings of each selection head's buckets taken in turn, a share `share` of
-    the best ones from the second (SAAP's `centroid_share`; 0 < share < 1). Each ranking orders `group_scores`
-    (of the Q-model's logits `scores`, and of the centroids' inner products `centroid_scores`, both [B, Hq, C]) by
-    `bucket_rank_keys`. A bucket's turn is its better rank, each rank times its ranking's factor (`mix_factors`,
-    fp32); equal turns go in the first ranking's order. The scores are minus each bucket's place in that order:
-    whole numbers that `bucket_rank_keys` keeps apart (up to 2^13 buckets), so the best `probes` of them are the
-    mix's first `probes`."""
+def mixed_order(scores: torch.Tensor, centroid_scores: torch.Tensor, group: int, softmax: bool,
+                share: float) -> torch.Tensor:
+    """int64 [B, Hq / group, C]: each selection head's buckets in the order two rankings give them taken in turn, a
+    share `share` of the best ones from the second (SAAP's `centroid_share`; 0 < share < 1). Each ranking orders
+    `group_scores` (of the Q-model's logits `scores`, and of the centroids' inner products `centroid_scores`, both
+    [B, Hq, C]) by `bucket_rank_keys`. A bucket's turn is its better rank, each rank times its ranking's factor
+    (`mix_factors`, fp32); equal turns go in the first ranking's order."""
     oq, oc = (bucket_rank_keys(group_scores(s, group, softmax)).argsort(dim=-1, descending=True)
               for s in (scores, centroid_scores))  # keys are distinct: one order
     fq, fc = (f.to(scores.device) for f in mix_factors(share))
     turn = torch.minimum(_ranks(oq).float() * fq, _ranks(oc).float() * fc)
-    order = oq.gather(-1, torch.argsort(turn.gather(-1, oq), dim=-1, stable=True))  # by turn, then the first's
-    return -_ranks(order).float()
+    return oq.gather(-1, torch.argsort(turn.gather(-1, oq), dim=-1, stable=True))  # by turn, then the first's
 
 
 def bucket_bases_reference(scores: torch.Tensor, counts: torch.Tensor, probes: int, group: int = 1,
@@ -904,12 +901,13 @@ def bucket_bases_reference(scores: torch.Tensor, counts: torch.Tensor, probes: i
     to end best first (`slot_bases`). scores [B, Hq, C] (fp32 logits; `softmax`: each query head's distribution
     first), summed over each selection head's `group` query heads (SAAP's §5 "Batched queries"); the best are the
     highest sums as `bucket_rank_keys` orders them. With `centroid_scores` and a `centroid_share` in (0, 1), the
-    best are the first of `mixed_group_scores` instead. counts [B, Hkv, C + 1]: selection head h reads KV head
+    best are the first of `mixed_order` instead. counts [B, Hkv, C + 1]: selection head h reads KV head
     h // (Hs / Hkv)."""
-    s = group_scores(scores, group, softmax) if not centroid_share else \
-        mixed_group_scores(scores, centroid_scores, group, softmax, centroid_share)
-    chosen = bucket_rank_keys(s).topk(probes, dim=-1).indices  # keys are distinct: one order
-    per = s.shape[1] // counts.shape[1]
+    if centroid_share:
+        chosen = mixed_order(scores, centroid_scores, group, softmax, centroid_share)[..., :probes]
+    else:
+        chosen = bucket_rank_keys(group_scores(scores, group, softmax)).topk(probes, dim=-1).indices  # distinct keys
+    per = chosen.shape[1] // counts.shape[1]
     return slot_bases(counts.repeat_interleave(per, dim=1) if per > 1 else counts, chosen, newest_first)
 
 

@@ -323,7 +323,7 @@ def _best_buckets(score, LOG_C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr
 
 @triton.jit
 def _turn_keys(rq, rc, bucket, fq, fc, C, LOG_C: tl.constexpr, KP: tl.constexpr):
-    """int64 keys that order buckets as `reference.mixed_group_scores` places them: (turn, the first ranking's
+    """int64 keys that order buckets as `reference.mixed_order` places them: (turn, the first ranking's
     rank, bucket), a rank of KP or more standing for every rank past the KP best (padding buckets last)."""
     turn = tl.minimum(rq.to(tl.float32) * fq, rc.to(tl.float32) * fc)  # >= 0: its bits order as it does
     key = (turn.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tl.minimum(rq, KP).to(tl.int64) << (LOG_C + 1)) \
@@ -333,7 +333,7 @@ def _turn_keys(rq, rc, bucket, fq, fc, C, LOG_C: tl.constexpr, KP: tl.constexpr)
 
 @triton.jit
 def _mixed_best(score, score2, scratch, fq, fc, C, LOG_C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
-    """The first KP buckets of `reference.mixed_group_scores`, first first. The mix's k-th place comes no later than
+    """The first KP buckets of `reference.mixed_order`, first first. The mix's k-th place comes no later than
     the k-th of either ranking, so its first KP are among each ranking's KP best: each list's ranks are spread over
     the buckets through `scratch` (2 x CP int32, a rank past KP elsewhere) for the other list to read, and the
     best KP of the two lists' turn keys (a bucket in both counted once) are the mix's first KP. An unknown rank (past

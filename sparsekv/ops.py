@@ -332,7 +332,7 @@ def bucket_select(scores: torch.Tensor, counts: torch.Tensor, buckets: torch.Ten
                   centroid_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """SAAP's selection from the bucket logits: the `probes` best buckets of each selection head (scores summed over
     its `group` query heads, each softmaxed first with `softmax`; with `centroid_scores` and a `centroid_share`,
-    the first of `mixed_group_scores`), their lists laid end to end best first, and the positions [B, Hs, cap]
+    the first of `mixed_order`), their lists laid end to end best first, and the positions [B, Hs, cap]
     (-1 pads) of the keys in [lo, hi) (and each row's region from `bounds`) that land in them: the key at p goes to
     slot base[bucket[p]] + ordinals[p]. Also how many landed, summed over rows and heads (0-dim int32, on the
     device)."""

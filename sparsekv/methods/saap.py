@@ -41,7 +41,7 @@ Two rankings (`centroid_share`, not in the paper; default 0: the Q-model's alone
 of the text it was fitted on; a query unlike that text (a needle's retrieval at answer time) can find its keys'
 buckets by the centroids' inner products where the Q-model ranks them low, and the reverse holds in other layers.
 With a share s, the visited buckets are the best of both rankings taken in turn, a share s of them by the centroids
-(kernels/reference.py::mixed_group_scores: each bucket's turn is its better rank, the centroids' scaled by 1 / s and
+(kernels/reference.py::mixed_order: each bucket's turn is its better rank, the centroids' scaled by 1 / s and
 the Q-model's by 1 / (1 - s)), so each ranking keeps its own best buckets instead of an average of the two. The
 logits' launch scores the centroids beside the Q-model, and the select's launch takes the turns.
 """
