@@ -333,7 +333,7 @@ def _turn_keys(rq, rc, bucket, fq, fc, C, LOG_C: tl.constexpr, KP: tl.constexpr)
 
 @triton.jit
 def _mixed_best(score, score2, scratch, fq, fc, C, LOG_C: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
-    """The first KP buckets of `reference.mixed_order`, first first. The mix's k-th place comes no later than
+    """The first KP buckets of `reference.mixed_order`, in its order. The mix's k-th place comes no later than
     the k-th of either ranking, so its first KP are among each ranking's KP best: each list's ranks are spread over
     the buckets through `scratch` (2 x CP int32, a rank past KP elsewhere) for the other list to read, and the
     best KP of the two lists' turn keys (a bucket in both counted once) are the mix's first KP. An unknown rank (past
@@ -404,7 +404,8 @@ def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group:
     Hs = Hq // group
     mix = bool(centroid_share)
     if Hq % group or Hs % Hkv or counts.shape != (B, Hkv, C + 1) or not 1 <= probes <= C or \
-            (mix and (centroid_scores is None or centroid_scores.shape != scores.shape or not 0 < centroid_share < 1)):
+            (mix and (centroid_scores is None or centroid_scores.shape != scores.shape or not 0 < centroid_share < 1
+                      or C > 1 << 15)):  # the turn keys' low 32 bits hold a rank and a bucket of 16 and 15 bits
         raise ValueError(f"bucket_bases: scores {tuple(scores.shape)}, group {group}, counts {tuple(counts.shape)}, "
                          f"probes {probes} and the centroid share {centroid_share} do not fit together")
     s = scores.float().contiguous()

@@ -821,3 +821,6 @@ def test_centroid_share_selects_the_union_and_zero_is_the_paper():
             get_method("saap", budget=76, index=index, centroid_share=bad)
     with pytest.raises(SparseKVError, match="query_model is off"):
         get_method("saap", budget=76, index=index, centroid_share=0.5, query_model=False)
+    big = random_index(1, 1, 4, clusters=(1 << 15) + 1, hidden=2)
+    with pytest.raises(SparseKVError, match="at most 32768 buckets; the index given has 32769"):
+        get_method("saap", budget=76, index=big, centroid_share=0.5)

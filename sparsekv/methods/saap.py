@@ -147,6 +147,8 @@ class Saap(Method):
             raise SparseKVError(f"saap: centroid_share mixes the Q-model's ranking with the centroids'; "
                                 f"{'query_model is off' if has_model else where + ' has no query model'}")
         self.clusters = C
+        if self.centroid_share and C > 1 << 15:  # the select kernel packs a bucket's turn, rank and id in 64 bits
+            raise SparseKVError(f"saap: centroid_share takes an index of at most 32768 buckets; {where} has {C}")
         self.probes = max(1, round(C / 32)) if probes is None else int(probes)
         if not 1 <= self.probes <= C:
             raise SparseKVError(f"saap: probes must be in [1, {C}] (the index has {C} buckets), got {probes}")
