@@ -486,7 +486,7 @@ def dump(
         if task == "ruler":
             from .eval.ruler import check_room, resolve_subtasks
 
-            resolve_subtasks(subtasks)
+            names = resolve_subtasks(subtasks)  # a misspelt subtask fails first; the length after --seq's own checks
     tokens, n = 8192 if tokens is None else tokens, 10 if n is None else n
     queries = (8 if task else 256) if queries is None else queries
     seed = (42 if task else 0) if seed is None else seed
@@ -495,7 +495,7 @@ def dump(
             raise SparseKVError(f"{option} must be positive, got {value}")
     check_seq_len(seq)  # before the model loads (the library checks it again for its callers)
     if task == "ruler":
-        check_room(seq, resolve_subtasks(subtasks))
+        check_room(seq, names)
     if out.exists():
         raise SparseKVError(f"{out} already exists: choose a new folder")
     validate.model_checks(model, seqs=[seq])

@@ -82,8 +82,9 @@ class EvalConfig:
         if self.task == "ruler":  # a misspelt subtask or a length too short fails here, not after the model loads
             from .ruler import check_room, resolve_subtasks
 
+            names = resolve_subtasks(self.subtasks)
             for L in self.seqs:
-                check_room(L, resolve_subtasks(self.subtasks))
+                check_room(L, names)
         if self.task == "recall" and self.acts is None:
             raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
         if self.task == "recall" and "dense" in self.methods:

@@ -232,4 +232,3 @@ class Saap(Method):
         cfg.update(artifact=self.artifact, probes=self.probes, clusters=self.clusters, space=self.space,
                    query_model=self.model is not None, cap_keep=self.cap_keep, centroid_share=self.centroid_share)
         return cfg
-
