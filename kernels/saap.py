@@ -227,12 +227,16 @@ def _logits_kernel(A, W, BIAS, OUT, n_rows, G, C, K, s_ab, s_ah, s_wh, s_wk, s_w
 
 
 def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None = None,
-                  append: PendingAppend | None = None, centroids_too: bool = False, block_c: int = 32,
-                  block_m: int = 64, num_warps: int = 4) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  append: PendingAppend | None = None, centroids_too: bool = False, block_c: int = 64,
+                  block_m: int = 64, block_k: int = 128, num_warps: int = 4,
+                  num_stages: int = 4) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Contract of `reference.bucket_logits_reference`: fp32 [B, Hq, C] of queries x [B, Hq, 1, D]. Two launches
     with a Q-model (its hidden layer [B, Hq, M] in the weights' dtype, then the logits), one without; `append`
     runs as extra programs of the logits' launch (its ~2 dependent atomics a row overlap the logits' reads);
-    `centroids_too`: the logits' programs also score their block of buckets by the centroids."""
+    `centroids_too`: the logits' programs also score their block of buckets by the centroids. The default tiles
+    (64 buckets a program, 128 hidden units a step, 4 stages in flight) were the fastest of a sweep on an H200 at
+    the paper's sizes with the weights cold in L2, as in a whole model's step: 10.4 µs for both launches against
+    12.9 for the 32 / 64 / 3 tiles before (benchmarks/BENCHMARKS.md)."""
     B, Hq, n, D = x.shape
     Hkv, C, _ = centroids.shape
     if n != 1 or centroids.shape[2] != D or Hq % Hkv:
@@ -276,9 +280,9 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
     _logits_kernel[(triton.cdiv(C, block_c) + extra, Hkv, rows)](
         a, w, bias, out, n_rows, G, C, K, a.stride(0), a.stride(1), *w_strides, out.stride(0), out.stride(1),
         x, cent, out2, D, x.stride(0), x.stride(1),
-        *app_args, RB=RB, BLOCK_C=block_c, BLOCK_K=min(block_m, max(16, triton.next_power_of_2(K))),
+        *app_args, RB=RB, BLOCK_C=block_c, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(K))),
         HAS_BIAS=model is not None, PREC=prec, CENTROIDS_TOO=centroids_too, APPEND=append is not None, **app_const,
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     return (out, out2) if centroids_too else out
 
 

@@ -256,7 +256,7 @@ def test_bucket_logits_kernel_equals_its_reference(dtype, model, heads, append):
         if append else (None, None)
     want = bucket_logits_reference(x, cents, w, pend[0])
     got = bucket_logits(x.to(DEV), cents.to(DEV), None if w is None else tuple(t.to(DEV) for t in w), pend[1],
-                        block_c=16, block_m=16)  # several blocks of buckets and of the hidden layer
+                        block_c=16, block_m=16, block_k=16)  # several blocks of buckets and of the hidden layer
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
     for a, b, before in zip(got_lists, want_lists, lists):
@@ -264,7 +264,7 @@ def test_bucket_logits_kernel_equals_its_reference(dtype, model, heads, append):
     if model:  # the centroids' inner products from the same launch
         want2 = bucket_logits_reference(x, cents, w, centroids_too=True)
         got2 = bucket_logits(x.to(DEV), cents.to(DEV), tuple(t.to(DEV) for t in w), centroids_too=True, block_c=16,
-                             block_m=16)
+                             block_m=16, block_k=16)
         for a, b in zip(got2, want2):
             torch.testing.assert_close(a.cpu(), b, atol=tol, rtol=tol)
         torch.testing.assert_close(want2[1], bucket_logits_reference(x, cents))
