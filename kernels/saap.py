@@ -234,9 +234,9 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
     with a Q-model (its hidden layer [B, Hq, M] in the weights' dtype, then the logits), one without; `append`
     runs as extra programs of the logits' launch (its ~2 dependent atomics a row overlap the logits' reads);
     `centroids_too`: the logits' programs also score their block of buckets by the centroids. The default tiles
-    (64 buckets a program, 128 hidden units a step, 4 stages in flight) were the fastest of a sweep on an H200 at
-    the paper's sizes with the weights cold in L2, as in a whole model's step: 10.4 µs for both launches against
-    12.9 for the 32 / 64 / 3 tiles before (benchmarks/BENCHMARKS.md)."""
+    (64 buckets a program, 128 hidden units a step, 4 stages in flight) were the fastest of every combination
+    timed on an H200 at the paper's sizes with the weights cold in L2, as in a whole model's step (their effect on
+    the whole step: benchmarks/BENCHMARKS.md, "SAAP's select tuned")."""
     B, Hq, n, D = x.shape
     Hkv, C, _ = centroids.shape
     if n != 1 or centroids.shape[2] != D or Hq % Hkv:
@@ -463,10 +463,11 @@ def _bucket_gather_kernel(BKT, ORD, BASE, OUT, COUNT, LENS,
         p = s0 + tl.arange(0, BLOCK)
         ok = (p < stop) & (p >= r_lo) & (p < r_hi)
         bk = tl.load(BKT + k_off + p, mask=ok, other=0)
-        od = tl.load(ORD + k_off + p, mask=ok, other=0)
         base = tl.load(BASE + b * s_bb + hs * s_bh + bk, mask=ok, other=-1)
-        slot = base + od
-        ok = ok & (base >= 0) & (slot < cap)
+        ok = ok & (base >= 0)
+        # the ordinals of visited buckets' keys only: ~1/3 of their sectors at ~5 % selectivity
+        slot = base + tl.load(ORD + k_off + p, mask=ok, other=0)
+        ok = ok & (slot < cap)
         tl.store(OUT + b.to(tl.int64) * s_ob + hs * s_oh + slot, p.to(tl.int64), mask=ok)
         stored += ok.to(tl.int32)
     tl.atomic_add(COUNT, tl.sum(stored, 0), sem="relaxed")  # integers: the same total in any order
