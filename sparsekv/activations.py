@@ -314,7 +314,8 @@ def dump_activations(lm: LoadedModel, token_ids: list[int] | torch.Tensor, out_d
 
 @torch.no_grad()
 def dump_prompts(lm: LoadedModel, samples: list, out_dir: str | Path, *, queries_per_seq: int = 8,
-                 dtype: torch.dtype = torch.float16, source: str = "", progress: Any = None) -> Path:
+                 dtype: torch.dtype = torch.float16, source: str = "", progress: Any = None,
+                 seed: int | None = None) -> Path:
     """Record the activations of eval prompts (`sparsekv.eval.sample.Sample`s: passkey or RULER) where their answer
     is produced: each prompt with its reference answer appended (teacher-forced: " " + the references joined by
     ", ", at most the sample's max_new_tokens), keys of every token, queries at the last prompt token and the
@@ -322,6 +323,8 @@ def dump_prompts(lm: LoadedModel, samples: list, out_dir: str | Path, *, queries
     of them; the positions file also holds each prompt's evidence (`e_pos`, `e_seq`: the tokens that spell a
     reference, `sparsekv.eval.evidence`). `eval --task recall` on such a dump scores each method's selection where
     accuracy is decided.
+    `seed`: the seed the prompts were made with, recorded as the dump's (no query is drawn at random; None when
+    the prompts came from elsewhere).
     Writes `out_dir` as dump_activations does. Returns `out_dir`."""
     if queries_per_seq < 1:
         raise SparseKVError(f"queries_per_seq must be positive, got {queries_per_seq}")
@@ -341,13 +344,13 @@ def dump_prompts(lm: LoadedModel, samples: list, out_dir: str | Path, *, queries
         q_local.append(torch.arange(first, first + min(max(len(answer), 1), queries_per_seq)))
         evidence.append(torch.tensor(evidence_positions(lm.tokenizer, s.ids, s.references), dtype=torch.long))
     lengths = [len(i) for i in seqs]
-    config = {"seq_len": max(lengths), "queries_per_seq": queries_per_seq, "seed": None,
+    config = {"seq_len": max(lengths), "queries_per_seq": queries_per_seq, "seed": seed,
               "query_sampling": "answer positions: the last prompt token and the teacher-forced reference answer's "
                                 "tokens before its last, the first queries_per_seq of them",
               "evidence": "e_pos/e_seq: the prompt tokens that spell a reference answer, every whole-word "
                           "occurrence (sparsekv.eval.evidence)"}
     data = {"source": source, "tokens_given": sum(lengths), "seq_len": max(lengths),
-            "queries_per_seq": queries_per_seq, "seed": None, "prompts": len(samples),
+            "queries_per_seq": queries_per_seq, "seed": seed, "prompts": len(samples),
             "subtasks": sorted({s.subtask for s in samples if s.subtask}),
             "evidence_tokens": sum(len(e) for e in evidence), "evidence_prompts": sum(1 for e in evidence if len(e)),
             "tokens_sha256": hashlib.sha256(torch.cat(seqs).numpy().astype("<i8").tobytes()).hexdigest()}

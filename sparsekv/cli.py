@@ -513,7 +513,8 @@ def dump(
         source = f"{task} prompts: seq {seq}, n {n}, seed {seed}" + (
             f", subtasks {subtasks}, haystack {haystack_file or 'noise'}" if task == "ruler" else "")
         with _progress() as progress:
-            path = dump_prompts(lm, samples, out, queries_per_seq=queries, source=source, progress=progress)
+            path = dump_prompts(lm, samples, out, queries_per_seq=queries, source=source, progress=progress,
+                                seed=seed)
         console.print(f"wrote activations of {len(samples)} prompts to {path}")
         return
     ids = text_tokens(lm, text_file=text_file, dataset=dataset, tokens=tokens)

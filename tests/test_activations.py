@@ -122,14 +122,14 @@ def test_prompts_are_recorded_where_their_answer_is_produced(lm, tmp_path):
     from sparsekv.eval import passkey
 
     samples = passkey.make_samples(lm.tokenizer, 300, 2, seed=5)
-    acts = load_activations(dump_prompts(lm, samples, tmp_path / "p", queries_per_seq=3, source="passkey"))
+    acts = load_activations(dump_prompts(lm, samples, tmp_path / "p", queries_per_seq=3, source="passkey", seed=5))
     answers = [lm.tokenizer(" " + s.answer, add_special_tokens=False).input_ids for s in samples]
     assert all(len(a) > 3 for a in answers)  # byte tokens: the answer is longer than the queries kept
     assert acts.seq_lengths == [len(s.ids) + len(a) for s, a in zip(samples, answers)]
     pos = acts.positions()
     for j, s in enumerate(samples):
         assert pos["q_pos"][pos["q_seq"] == j].tolist() == [len(s.ids) - 1, len(s.ids), len(s.ids) + 1]
-    assert acts.data["prompts"] == 2 and acts.data["source"] == "passkey" and acts.data["seed"] is None
+    assert acts.data["prompts"] == 2 and acts.data["source"] == "passkey" and acts.data["seed"] == 5
     assert acts.config["query_sampling"].startswith("answer positions")
     ids = list(samples[1].ids) + answers[1]
     _, pkv, proj, cos, sin = plain_forward(ids)

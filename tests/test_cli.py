@@ -262,12 +262,13 @@ def test_eval_recall_at_answer_time(tmp_path):
     manifest = json.loads((dump / "manifest.json").read_text())
     assert manifest["data"]["prompts"] == 2 and manifest["data"]["subtasks"] == ["niah_single_1"]
     assert manifest["data"]["queries"] == 8 and manifest["config"]["query_sampling"].startswith("answer positions")
+    assert manifest["data"]["seed"] == 42  # the prompts' data seed, eval's default: the same prompts
     out = tmp_path / "recall.json"
     r = sparsekv("eval", "--model", "tiny-random", "--task", "recall", "--acts", str(dump), "--method",
                  "oracle,streaming", "--budget", "64", "--json", str(out))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
-    assert [x["n"] for x in rows] == [8, 8] and rows[1]["score"] < rows[0]["score"]
+    assert [x["n"] for x in rows] == [8, 8] and rows[1]["score"] < rows[0]["score"] and rows[0]["seed"] == 42
     # the needle's value tokens: both prompts hold them, and the oracle reads more of them than the window does
     assert manifest["data"]["evidence_prompts"] == 2 and manifest["data"]["evidence_tokens"] > 0
     assert rows[1]["evidence_recall"] < rows[0]["evidence_recall"] <= 1

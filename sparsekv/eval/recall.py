@@ -385,7 +385,7 @@ def _result(acts: Activations, lm, spec: RunSpec, method: Method, ref: Method | 
         decode=decode_means([a.stats.summary() for i, a in enumerate(acc) if i not in dense]),
         model=(acts.manifest.get("model") or {}).get("name", ""),
         model_source=lm.source if lm is not None else f"dump {acts.path}", artifact=spec.method_options.get("artifact"),
-        seed=acts.data.get("seed"),  # the dump's query sampling seed
+        seed=acts.data.get("seed"),  # the dump's seed: its query sampling, or its prompts' for a prompt dump
         protocol=PROTOCOL, device=device_label(lm.device) if lm is not None else "cpu", seconds=seconds,
         dense_layers=sorted(dense),
         measures={**{k: mean(k) for k in METRICS}, **evidence(total),
