@@ -233,7 +233,9 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
     """Contract of `reference.bucket_logits_reference`: fp32 [B, Hq, C] of queries x [B, Hq, 1, D]. Two launches
     with a Q-model (its hidden layer [B, Hq, M] in the weights' dtype, then the logits), one without; `append`
     runs as extra programs of the logits' launch (its ~2 dependent atomics a row overlap the logits' reads);
-    `centroids_too`: the logits' programs also score their block of buckets by the centroids. The default tiles
+    `centroids_too`: the logits' programs also score their block of buckets by the centroids. Tiles: `block_m`
+    hidden units a program of the hidden layer; `block_c` buckets a program of the logits, which step through the
+    hidden units `block_k` at a time with `num_stages` loads in flight. The defaults of the logits' launch
     (64 buckets a program, 128 hidden units a step, 4 stages in flight) were the fastest of every combination
     timed on an H200 at the paper's sizes with the weights cold in L2, as in a whole model's step (their effect on
     the whole step: benchmarks/BENCHMARKS.md, "SAAP's select tuned")."""
