@@ -178,6 +178,17 @@ def sink_window(method: str, sink: int, window: int, budget: float, context: int
                             f"{of}); lower --sink/--window or raise --budget")
 
 
+def method_sink_window(method: str, sink: int | None, window: int | None, budget: float,
+                       context: int | None = None) -> None:
+    """`sink_window` for a registered method, its own defaults (its paper's) where sink or window is not given."""
+    from .methods.base import REGISTRY
+
+    cls = REGISTRY.get(method)
+    if cls is not None:
+        sink_window(method, cls.default_sink if sink is None else sink,
+                    cls.default_window if window is None else window, budget, context)
+
+
 def dump(path: str | Path, option: str = "--acts", model: str | None = None, check=None):
     """An activations dump whose every file is whole (sha256, each hashed once per process): a corrupt layer stops
     the run before any work, not when that layer is reached. With `model`: made from that model (same_model).

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from sparsekv.bench import SHAPES, from_name, run_bench
+from sparsekv.bench import SHAPES, from_name, run_bench, run_e2e
 from sparsekv.errors import SparseKVError
-from sparsekv.methods import MethodOptions
+from sparsekv.methods import CacheShape, MethodOptions, get_method
 
 L, B, SINK, WINDOW, BUDGET = 2048, 2, 16, 64, 256
 shape = SHAPES["smollm2-135m"]
@@ -93,12 +93,28 @@ def test_sweep_list_and_cpu_cap():
     (dict(methods="dense,bogus"), "unknown method 'bogus'"),
     (dict(shape="llama9"), "unknown shape 'llama9'"),
     (dict(dtype="fp8"), "unknown dtype"),
-    (dict(options={"sink": 200, "window": 100}), "exceed the budget"),
+    (dict(options={"sink": 200, "window": 100}), r"oracle: sink 200 \+ window 100 exceed --budget 256"),
 ])
 def test_bad_config_is_a_sparsekv_error(kwargs, message):
     args = dict(shape="smollm2-135m", seq=L, methods="dense,oracle", budget=BUDGET, dtype="fp32", device="cpu")
     with pytest.raises(SparseKVError, match=message):
         run_bench(**{**args, **kwargs})
+
+
+def test_a_methods_own_sink_and_window_over_the_budget_name_the_method():
+    """SAAP's paper sink and window (1 + 2047) do not fit 64 keys: `bench` and `bench --e2e` refuse before any work,
+    naming the method and what to change, as `eval` does; a method's step says whose sink and window they are."""
+    message = r"^saap: sink 1 \+ window 2047 exceed --budget 64 \(64 tokens\); lower --sink/--window or raise --budget$"
+    with pytest.raises(SparseKVError, match=message):
+        run_bench("smollm2-135m", 512, "saap", [64], dtype="fp32", device="cpu", topk=False)
+    with pytest.raises(SparseKVError, match=message):
+        run_e2e([512], "dense,saap", 64, shape="smollm2-135m", device="cpu")
+    lsh = get_method("lsh", budget=64, window=100)
+    state = lsh.new_state(0, CacheShape(1, 1, 1, 8, 512, torch.float32, torch.device("cpu")))
+    state.length = 512
+    with pytest.raises(SparseKVError, match=r"^lsh: sink \(0\) \+ window \(100\) exceed the budget \(64 tokens\); "
+                                            r"lower --sink/--window or raise --budget$"):
+        lsh.split(state)
 
 
 def test_method_options_go_to_the_methods_that_take_them():

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .. import validate
 from ..errors import SparseKVError
 from ..methods import MethodOptions, method_names
 from ..models import LoadedModel, byte_tokenizer, load_model, wire
@@ -93,6 +94,8 @@ def run_e2e(seqs: Iterable[int], methods: Iterable[str] | str, budget: float, *,
     if any(n != "dense" for n in names):  # as `bench` and `eval`: a budget over the context would time dense
         for seq in seqs:
             check_budget(budget, seq)
+            for n in names:  # each method's sink and window within the budget, before the prefill
+                validate.method_sink_window(n, options.sink, options.window, budget, seq)
     if shape is not None and model is not None:
         raise SparseKVError("give --shape or --model, not both")
     dt = _dtype(dtype)

@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .. import validate
 from ..errors import SparseKVError
 from ..methods import REGISTRY, MethodOptions, method_names
 from ..selection import BudgetSplit, check_budget, resolve_budget, split_budget
@@ -204,6 +205,8 @@ def _cells(seqs: list[int], budgets: list[float], names: list[str], options: Met
                 continue
             if sparse:
                 check_budget(b, L)
+            for n in sparse:  # each method's sink and window (given, else its paper's) within the budget
+                validate.method_sink_window(n, options.sink, options.window, b, L)
             # the split without a method's defaults: sink and window as given (top-k's k = the rest)
             cells.setdefault(L, []).append((b, split_budget(b, options.sink or 0, options.window or 0, L)))
     return cells if sparse else {}

@@ -138,15 +138,11 @@ def specs_for(methods: list[str], budgets: list[float], seqs: list[int], options
 def check_sink_window(specs: list[RunSpec], context: int | None) -> None:
     """Each cell's sink + window (given, else its method's defaults) within its budget, before any work."""
     from .. import validate
-    from ..methods.base import REGISTRY
 
     for sp in specs:
-        cls = REGISTRY.get(sp.method)
-        if sp.budget is None or cls is None:
-            continue
-        sink, window = sp.method_options.get("sink"), sp.method_options.get("window")
-        validate.sink_window(sp.method, cls.default_sink if sink is None else sink,
-                             cls.default_window if window is None else window, sp.budget, context)
+        if sp.budget is not None:
+            validate.method_sink_window(sp.method, sp.method_options.get("sink"), sp.method_options.get("window"),
+                                        sp.budget, context)
 
 
 def check_recall_layers(dense_layers: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
