@@ -256,18 +256,19 @@ class BudgetSplit:
 
 def split_budget(budget: float, sink: int, window: int, length: int, span: int = 0,
                  lengths: torch.Tensor | None = None, extent: int | None = None,
-                 context: int | None = None) -> BudgetSplit:
+                 context: int | None = None, method: str = "") -> BudgetSplit:
     """Carve sink and window out of the budget (as Quest/Adamas count it), within the keys the layer may see at this
     step: all `length`, or its last `span`. A fractional budget is a fraction of `context` (fixed for a generation)
     or else of those. `lengths`/`extent`: a graph-replayed step's device lengths and the slots its graph covers
-    (BudgetSplit)."""
+    (BudgetSplit). `method`: whose sink and window these are, named in the error when they exceed the budget."""
     visible = length - window_start(length, span)
     b = resolve_budget(budget, context or visible)
     where = dict(length=length, span=span, lengths=lengths, extent=extent)
     if b >= visible:
         return BudgetSplit(0, 0, 0, dense=True, **where)
     if sink + window > b:
-        raise SparseKVError(f"sink ({sink}) + window ({window}) exceed the budget ({b} tokens)")
+        who, hint = (f"{method}: ", "; lower --sink/--window or raise --budget") if method else ("", "")
+        raise SparseKVError(f"{who}sink ({sink}) + window ({window}) exceed the budget ({b} tokens){hint}")
     return BudgetSplit(sink, window, b - sink - window, dense=False, **where)
 
 

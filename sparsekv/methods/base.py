@@ -190,11 +190,8 @@ class Method:
     # -- shared helpers --------------------------------------------------------------------------------------
     def split(self, state: LayerState) -> BudgetSplit:
         """This step's budget over the keys the layer may see (BudgetSplit.lo/hi bound the sparse part's region)."""
-        try:
-            return split_budget(self.budget, self.sink, self.window, state.length, state.pattern.span, state.lengths,
-                                state.extent, state.budget_context)
-        except SparseKVError as e:  # a run of several methods: say whose sink and window (defaults: its paper's)
-            raise SparseKVError(f"{self.name}: {e}; lower --sink/--window or raise --budget") from None
+        return split_budget(self.budget, self.sink, self.window, state.length, state.pattern.span, state.lengths,
+                            state.extent, state.budget_context, self.name)
 
     def budget_tokens(self, state: LayerState) -> int:
         """The budget in keys at this step (a fraction resolved against `state.budget_context` when it is set)."""
