@@ -267,9 +267,15 @@ def split_budget(budget: float, sink: int, window: int, length: int, span: int =
     if b >= visible:
         return BudgetSplit(0, 0, 0, dense=True, **where)
     if sink + window > b:
-        who, hint = (f"{method}: ", "; lower --sink/--window or raise --budget") if method else ("", "")
-        raise SparseKVError(f"{who}sink ({sink}) + window ({window}) exceed the budget ({b} tokens){hint}")
+        raise sink_window_error(method, sink, window, f"the budget ({b} tokens)")
     return BudgetSplit(sink, window, b - sink - window, dense=False, **where)
+
+
+def sink_window_error(method: str, sink: int, window: int, budget: str) -> SparseKVError:
+    """The one wording of sink + window over a budget, before any work (`validate.sink_window`: `budget` is the
+    option as given) or at a step (split_budget: the tokens it resolved); with the method named, what to change."""
+    who, hint = (f"{method}: ", "; lower --sink/--window or raise --budget") if method else ("", "")
+    return SparseKVError(f"{who}sink {sink} + window {window} exceed {budget}{hint}")
 
 
 def topk_selection(scores: torch.Tensor, split: BudgetSplit, ties: str = "low", in_region: bool = False) -> Selection:

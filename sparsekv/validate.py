@@ -165,7 +165,7 @@ def sink_window(method: str, sink: int, window: int, budget: float, context: int
     """A sparse step spends sink + window of its budget on fixed keys: more than the budget is refused before any
     work (it would fail at the first decode step). A fractional budget is resolved against `context` (unchecked
     without one); a budget that covers the whole context reads every key, sink and window aside."""
-    from .selection import resolve_budget
+    from .selection import resolve_budget, sink_window_error
 
     if budget < 1 and context is None:
         return
@@ -174,8 +174,7 @@ def sink_window(method: str, sink: int, window: int, budget: float, context: int
         return
     of = f" of {context}" if budget < 1 else ""
     if sink + window > tokens:
-        raise SparseKVError(f"{method}: sink {sink} + window {window} exceed --budget {budget:g} ({tokens} tokens"
-                            f"{of}); lower --sink/--window or raise --budget")
+        raise sink_window_error(method, sink, window, f"--budget {budget:g} ({tokens} tokens{of})")
 
 
 def method_sink_window(method: str, sink: int | None, window: int | None, budget: float,
