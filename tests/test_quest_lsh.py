@@ -185,7 +185,8 @@ def test_quest_options_and_errors():
         get_method("quest", budget=64, nbits=3)
     m = get_method("quest", budget=16, sink=10, window=10)
     st = build(m, torch.randn(1, 1, 40, 4, generator=_gen(7)), [40])
-    with pytest.raises(SparseKVError, match="exceed the budget"):
+    with pytest.raises(SparseKVError, match=r"^quest: sink 10 \+ window 10 exceed the budget \(16 tokens\); "
+                                            r"lower --sink/--window or raise --budget$"):
         m.select(st, torch.randn(1, 1, 1, 4), None)
 
 

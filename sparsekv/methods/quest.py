@@ -46,7 +46,7 @@ from sparsekv.kernels.reference import PageRegion, RowBounds
 from .. import ops
 from ..errors import SparseKVError
 from ..pooling import Pooling
-from ..selection import BudgetSplit, Selection
+from ..selection import BudgetSplit, Selection, sink_window_error
 from .base import CacheShape, LayerState, Method, register
 
 PAGE_ALIGN = 16  # the bounds buffer's pages come in multiples of this (`new_state`)
@@ -118,7 +118,7 @@ class Quest(Method):
             return state.selection(dense=True)
         window = 0 if self.auto_window else self.window
         if sink + window > b:
-            raise SparseKVError(f"quest: sink ({sink}) + window ({window}) exceed the budget ({b} tokens)")
+            raise sink_window_error(self.name, sink, window, f"the budget ({b} tokens)")
         k = (b - sink - window) // S - (1 if self.auto_window else 0)  # the last page counts against the budget
         if k < 0:  # below one page beside the sink: the newest b - sink tokens
             return state.selection(sink=sink, window=b - sink)
