@@ -146,9 +146,16 @@ def _load_hf(where: str, dtype, gguf_file: str | None = None, name: str = "") ->
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype or "auto", **kw)
-    except OSError as e:  # missing folder / no network / not a model
-        raise SparseKVError(f"cannot load model {where!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # a missing folder or file, no tokenizer, truncated weights, an unknown architecture
+        raise SparseKVError(f"cannot load model {where!r}: {_one_line(e)}") from None
     return LoadedModel(model, tok, name or where, where if not gguf_file else str(Path(where) / gguf_file))
+
+
+def _one_line(e: Exception, limit: int = 300) -> str:
+    """An exception's message on one line (its whitespace runs collapsed), cut at `limit` characters; its type's
+    name when it has none."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _load_smollm2(dtype: torch.dtype, quiet: bool) -> LoadedModel:

@@ -24,6 +24,17 @@ def test_a_spec_that_is_no_model_is_one_line(spec, message, tmp_path):
         load_model(spec.format(tmp=tmp_path / "absent"))
 
 
+def test_a_folder_that_does_not_load_is_one_line(tmp_path):
+    """A model folder transformers cannot load (here: weights and config but no tokenizer, a ValueError with a
+    multi-line message) is one line naming the folder, not a traceback."""
+    from sparsekv.models import tiny_random
+
+    tiny_random().model.save_pretrained(tmp_path)
+    with pytest.raises(SparseKVError, match=r"^cannot load model '.+': \S") as e:
+        load_model(str(tmp_path))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
 def test_fingerprint_is_stable_across_loads():
     a, b = load_model("tiny-random"), load_model("tiny-random")
     assert a.fingerprint() == b.fingerprint()
