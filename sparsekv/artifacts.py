@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .errors import SparseKVError
+from .errors import SparseKVError, one_line
 
 # 2: the manifest carries `manifest_sha256`, and its files must be plain names inside the version folder.
 SCHEMA_VERSION = 2
@@ -386,7 +386,7 @@ def load_artifact(path_or_root: str | os.PathLike, *, method: str | None = None,
             tensors[fname.removesuffix(SUFFIX)] = load_file(str(path / fname))
         except Exception as e:
             raise ArtifactError(f"artifact at {path} is corrupted: {fname} cannot be read "
-                                f"({_one_line(e)})") from None
+                                f"({one_line(e)})") from None
     return Artifact(path=path, manifest=manifest, tensors=tensors)
 
 
@@ -442,7 +442,7 @@ def _parse_manifest(path: Path, mpath: Path) -> dict:
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"artifact at {path} has an unreadable {MANIFEST}: {_one_line(e)}") from None
+        raise ArtifactError(f"artifact at {path} has an unreadable {MANIFEST}: {one_line(e)}") from None
     if not isinstance(manifest, dict):
         raise ArtifactError(f"artifact at {path} has an unreadable {MANIFEST}: not a JSON object")
     return manifest
@@ -515,7 +515,7 @@ def _check_file(path: Path, fname: str, info: dict, verify: bool) -> str | None:
     except FileNotFoundError:
         return f"{fname} missing"
     except OSError as e:
-        return f"{fname} cannot be read ({_one_line(e)})"
+        return f"{fname} cannot be read ({one_line(e)})"
     if stat.S_ISLNK(st.st_mode):
         return f"{fname} is a symbolic link; files must be real files inside the version folder"
     if not stat.S_ISREG(st.st_mode):
@@ -525,7 +525,7 @@ def _check_file(path: Path, fname: str, info: dict, verify: bool) -> str | None:
     try:  # O_NOFOLLOW: the file checked is the file hashed, even if it is swapped for a link meanwhile
         fd = os.open(f, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
     except OSError as e:
-        return f"{fname} cannot be read ({_one_line(e)})"
+        return f"{fname} cannot be read ({one_line(e)})"
     with os.fdopen(fd, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size != info.get("bytes"):
@@ -537,10 +537,6 @@ def _check_file(path: Path, fname: str, info: dict, verify: bool) -> str | None:
     if got != info.get("sha256"):
         return f"{fname} sha256 mismatch (expected {_short(info.get('sha256'))}, got {_short(got)})"
     return None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 # -- inspecting --------------------------------------------------------------------------------------------------
@@ -562,7 +558,7 @@ def verify_artifact(path: str | os.PathLike) -> list[str]:
                 with safe_open(str(path / fname), framework="pt") as st:
                     st.keys()
             except Exception as e:
-                problem = f"{fname} cannot be read ({_one_line(e)})"
+                problem = f"{fname} cannot be read ({one_line(e)})"
         if problem:
             problems.append(problem)
     for extra in sorted(p.name for p in path.glob("*" + SUFFIX) if p.name not in manifest["files"]):
@@ -627,7 +623,7 @@ def upgrade_artifact(path: str | os.PathLike) -> Path:
                 with safe_open(str(path / fname), framework="pt") as st:
                     st.keys()
             except Exception as e:
-                problem = f"{fname} cannot be read ({_one_line(e)})"
+                problem = f"{fname} cannot be read ({one_line(e)})"
         if problem:
             raise ArtifactError(f"artifact at {path} cannot be upgraded: {problem}")
     manifest.pop(DIGEST, None)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import attention
-from .errors import SparseKVError
+from .errors import SparseKVError, one_line
 from .patterns import check_model, model_patterns
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -147,15 +147,8 @@ def _load_hf(where: str, dtype, gguf_file: str | None = None, name: str = "") ->
         tok = AutoTokenizer.from_pretrained(where, **kw)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype or "auto", **kw)
     except Exception as e:  # a missing folder or file, no tokenizer, truncated weights, an unknown architecture
-        raise SparseKVError(f"cannot load model {where!r}: {_one_line(e)}") from None
+        raise SparseKVError(f"cannot load model {where!r}: {one_line(e, limit=300)}") from None
     return LoadedModel(model, tok, name or where, where if not gguf_file else str(Path(where) / gguf_file))
-
-
-def _one_line(e: Exception, limit: int = 300) -> str:
-    """An exception's message on one line (its whitespace runs collapsed), cut at `limit` characters; its type's
-    name when it has none."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _load_smollm2(dtype: torch.dtype, quiet: bool) -> LoadedModel:
