@@ -150,6 +150,7 @@ def save_artifact(root: str | os.PathLike, *, method: str, model_fingerprint: di
                                         "tensors": {k: {"dtype": str(t.dtype).removeprefix("torch."),
                                                         "shape": list(t.shape)} for k, t in named.items()}}
         _write_json(tmp / MANIFEST, _with_digest(manifest))
+        umask_modes(tmp)
         _fsync_dir(tmp)
         final = _rename_into_place(tmp, parent, version)
     except BaseException:
@@ -214,6 +215,17 @@ def _write_json(path: Path, obj: dict) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def umask_modes(path: Path) -> None:
+    """Give a folder written through `tempfile` (0700, its files possibly 0600) and everything in it the modes the
+    process's umask gives a plain mkdir or open, before it is renamed into place: an artifact store or a dump is
+    read by other users and jobs."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [path, *path.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -634,6 +646,7 @@ def upgrade_artifact(path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         _write_json(Path(tmp), _with_digest(manifest))
+        umask_modes(Path(tmp))
         os.replace(tmp, mpath)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

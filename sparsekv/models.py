@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from . import attention
+from .artifacts import umask_modes
 from .errors import SparseKVError, one_line
 from .patterns import check_model, model_patterns
 
@@ -166,6 +167,7 @@ def _load_smollm2(dtype: torch.dtype, quiet: bool) -> LoadedModel:
         try:
             lm.model.save_pretrained(tmp)
             lm.tokenizer.save_pretrained(tmp)
+            umask_modes(tmp)
             if converted.exists():
                 shutil.rmtree(converted)
             tmp.rename(converted)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,20 @@ def test_round_trip_versions_and_latest(tmp_path):
     assert torch.equal(old.tensors["layer_000"]["thresholds"], _tensors(seed=0)["layer_000"]["thresholds"])
     # the fingerprint's name is enough to find the model folder
     assert load_artifact(tmp_path, method="adamas", model_fingerprint=FP, version="v1").path == p1
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_a_written_artifact_has_the_umask_s_modes(tmp_path, mask):
+    """The version folder and its files are made through `tempfile` (0700 / 0600): they get what the umask gives a
+    plain mkdir / open before the rename, so other users and jobs can read a shared store."""
+    old = os.umask(mask)
+    try:
+        p = _save(tmp_path)
+    finally:
+        os.umask(old)
+    modes = {q.name: stat.S_IMODE(q.stat().st_mode) for q in [p, *p.iterdir()]}
+    assert modes == {p.name: 0o777 & ~mask, **{q.name: 0o666 & ~mask for q in p.iterdir()}}
+    assert len(modes) >= 3  # the folder, its manifest and at least one tensor file
 
 
 def test_refuses_to_overwrite_explicit_version(tmp_path):
@@ -460,6 +475,9 @@ def test_schema_1_artifacts_are_refused_until_upgraded(tmp_path):
     with pytest.raises(ArtifactError, match="nothing to upgrade"):
         upgrade_artifact(p)
     assert sorted(x.name for x in p.iterdir()) == ["layer_000.safetensors", "layer_001.safetensors", "manifest.json"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE((p / "manifest.json").stat().st_mode) == 0o666 & ~mask  # rewritten through `tempfile`
 
 
 def test_resolve_refuses_a_version_that_is_a_path(tmp_path):
