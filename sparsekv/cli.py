@@ -356,7 +356,8 @@ def demo(
 
     t0 = time.perf_counter()
     methods, options = ["dense", "oracle", "streaming"], MethodOptions()
-    # --n, --budget and --seq fail here, before the model loads and Adamas calibrates
+    # --seq, --n and --budget fail here, before the model loads and Adamas calibrates
+    validate.number(seq, int, "--seq", positive=True)
     EvalConfig("passkey", methods, [validate.budget(budget)], [seq], n, seed=42).check()
     validate.model_checks("smollm2-135m", seqs=[seq])
     lm = _load("smollm2-135m", device, "auto")

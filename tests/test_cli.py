@@ -158,6 +158,8 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     # demo's numbers, before the default model loads and Adamas calibrates
     (["demo", "--n", "0", "--no-adamas"], "--n must be positive, got 0"),
     (["demo", "--budget", "0"], "--budget must be positive, got 0"),
+    (["demo", "--seq", "0"], "--seq must be positive, got 0"),
+    (["demo", "--seq", "-5", "--budget", "64"], "--seq must be positive, got -5"),
     # budgets and lists as given, whatever the methods
     (["eval", *TINY, "--budget", "1.5", "--seq", "300"], "--budget 1.5 is neither a whole token count"),
     (["eval", *TINY, "--method", "oracle,oracle", "--seq", "300"], "oracle is given twice"),
