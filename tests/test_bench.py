@@ -163,7 +163,10 @@ def test_cli_writes_json(tmp_path):
     (["--method", "dense,adamas", "--rerank", "0"], "rerank must be a whole number >= 1"),
     (["--method", "dense,lsh", "--head-top", "-1"], "head_top must be a whole number >= 0"),
     (["--method", "dense,quest", "--head-top", "2"], "--head-top apply to none of the methods"),
-    (["--method", "dense,adamas", "--distance", "ip", "--head-top", "2"], "head_top ranks code distances"),
+    (["--method", "dense,adamas", "--distance", "ip", "--head-top", "2", "--pooling", "group"],
+     "head_top ranks code distances"),
+    (["--method", "dense,adamas", "--head-top", "2"], "adamas choose per query head here: add --pooling group"),
+    (["--method", "adamas,lsh", "--head-top", "2", "--pooling", "head"], "add --pooling group"),
 ])
 def test_cli_bad_input_is_one_line(args, message):
     r = sparsekv("--seq", "2048", "--shape", "smollm2-135m", "--dtype", "fp32", *args)
