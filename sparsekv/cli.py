@@ -750,10 +750,14 @@ def index(
     console.print(f"indexed in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
 
 
+_BENCH_SEQ, _BENCH_NEW_TOKENS = "131072", 32
+
+
 @app.command()
 @_with_method_options
 def bench(
-    seq: Annotated[str, typer.Option(help="context length(s) in tokens, the new one included; comma-separated")] = "131072",
+    seq: Annotated[str, typer.Option(help="context length(s) in tokens, the new one included; comma-separated")
+                   ] = _BENCH_SEQ,
     shape: Annotated[Optional[str], typer.Option(help="model shape preset: llama3-8b (default), llama2-7b, "
                                                  "mistral-7b, qwen2.5-7b, smollm2-135m, one-head (1 query head, 1 KV "
                                                  "head, dim 128)")] = None,
@@ -770,7 +774,9 @@ def bench(
     topk: Annotated[bool, typer.Option(help="also time top-k alone: our fused and radix selects vs torch.topk")] = True,
     e2e: Annotated[bool, typer.Option("--e2e", help="time a whole model's generation instead (random weights of "
                                       "--shape, or --model): ms/token, tokens/s, prefill time, peak memory")] = False,
-    new_tokens: Annotated[int, typer.Option(help="with --e2e: tokens generated per method")] = 32,
+    new_tokens: Annotated[int, typer.Option(help="with --e2e: tokens generated per method, at least 3 (the first "
+                                            "comes from the prefill, the next captures the step's graph; the rest "
+                                            "are timed)")] = _BENCH_NEW_TOKENS,
     prefill_chunk: Annotated[Optional[int], typer.Option(help="with --e2e: prefill the prompt in chunks of this many "
                                                          "tokens (bounded memory at long context)")] = None,
     require_gpu: Annotated[bool, typer.Option(help="exit 2 instead of falling back to the CPU")] = False,
@@ -801,8 +807,16 @@ def bench(
     batches = validate.csv(batch, int, "--batch", unique=True)
     if not seqs:
         raise SparseKVError("give at least one --seq")
-    if not e2e and (len(batches) != 1 or prefill_chunk is not None):
-        raise SparseKVError("several --batch sizes and --prefill-chunk are for --e2e")
+    # an option the chosen mode would not read is refused, not dropped (a value equal to its default reads as not given)
+    e2e_only = [name for name, given in (("several --batch sizes", len(batches) != 1),
+                                         ("--prefill-chunk", prefill_chunk is not None),
+                                         ("--new-tokens", new_tokens != _BENCH_NEW_TOKENS)) if given]
+    if not e2e and e2e_only:
+        raise SparseKVError(f"{' and '.join(e2e_only)} {'is' if len(e2e_only) == 1 else 'are'} for --e2e")
+    if sweep and e2e:
+        raise SparseKVError("--sweep is for one layer's step; --e2e takes its lengths from --seq")
+    if sweep and seq != _BENCH_SEQ:
+        raise SparseKVError("--sweep picks its own lengths (8K..512K, what fits); give --seq or --sweep, not both")
     if device == "auto" and not torch.cuda.is_available() and not require_gpu:
         console.print(f"no GPU: running on the CPU{'' if e2e else f', seq capped at {CPU_SEQ_CAP}'} (not GPU "
                       f"timings)", soft_wrap=True)
