@@ -463,7 +463,7 @@ def dump(
 ):
     """Record pre- and post-RoPE keys (and sampled queries) per layer and KV head, for the offline stages and
     `eval --task recall`."""
-    from .activations import check_seq_len, dump_activations, dump_prompts, text_tokens
+    from .activations import MIN_LAST_SEQ, check_seq_len, dump_activations, dump_prompts, load_activations, text_tokens
 
     seq = seq if seq_len is None else seq_len
     if task is None:
@@ -522,7 +522,11 @@ def dump(
     with _progress() as progress:
         path = dump_activations(lm, ids, out, seq_len=seq, queries_per_seq=queries, seed=seed,
                                 source=str(text_file or dataset), progress=progress)
-    console.print(f"wrote activations of {len(ids)} tokens to {path}")
+    dumped = load_activations(path)
+    left = len(ids) - dumped.tokens
+    console.print(f"wrote activations of {dumped.tokens} tokens ({dumped.queries} queries) to {path}"
+                  + (f"; the last {left} tokens, fewer than {MIN_LAST_SEQ}, were too few for a sequence of their own"
+                     if left else ""), soft_wrap=True)
 
 
 @app.command()

@@ -281,9 +281,11 @@ def test_eval_recall_on_a_dump(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("Some natural-looking text to record keys and queries from, again and again. " * 60)
     dump = tmp_path / "dump"
-    r = sparsekv("dump", "--model", "tiny-random", "--text-file", str(text), "--tokens", "512", "--seq", "256",
+    r = sparsekv("dump", "--model", "tiny-random", "--text-file", str(text), "--tokens", "520", "--seq", "256",
                  "--queries", "8", "--out", str(dump))
     assert r.returncode == 0, r.stderr
+    # the last 8 tokens are too few for a sequence: the line says what was dumped, not what was asked
+    assert "wrote activations of 512 tokens (16 queries)" in r.stdout and "the last 8 tokens" in r.stdout
     out = tmp_path / "recall.json"
     r = sparsekv("eval", "--model", "tiny-random", "--task", "recall", "--acts", str(dump), "--method",
                  "oracle,streaming", "--budget", "32", "--json", str(out))
