@@ -196,6 +196,8 @@ def dump(path: str | Path, option: str = "--acts", model: str | None = None, che
 
     if path is None:
         raise SparseKVError(f"{option}: give a `sparsekv dump` folder")
+    if not Path(path).exists():
+        raise SparseKVError(f"{option} {path}: no such folder (give a `sparsekv dump` folder)")
     acts = load_activations(path)
     if check is not None:
         check(acts)
@@ -292,8 +294,10 @@ def text_file(path: Path, option: str) -> Path:
             head = f.read(TEXT_SNIFF)
     except (OSError, EOFError) as e:
         raise SparseKVError(f"{option} {path}: cannot read it ({e})") from None
-    if b"\x00" in head or not _utf8_prefix(head):
+    if b"\x00" in head:
         raise SparseKVError(f"{option} {path}: not a text file (binary content)")
+    if not _utf8_prefix(head):
+        raise SparseKVError(f"{option} {path}: not UTF-8 text (convert it first, e.g. iconv -t UTF-8)")
     return path
 
 

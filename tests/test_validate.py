@@ -225,7 +225,7 @@ def test_text_files(tmp_path):
         validate.text_file(binary, "--text-file")
     latin = tmp_path / "l.txt"
     latin.write_bytes(b"caf\xe9 " * 100)
-    with pytest.raises(SparseKVError, match="not a text file"):
+    with pytest.raises(SparseKVError, match="not UTF-8 text"):
         validate.text_file(latin, "--text-file")
     with pytest.raises(SparseKVError, match="file not found"):
         validate.text_file(tmp_path / "missing.txt", "--text-file")

@@ -85,6 +85,8 @@ class EvalConfig:
             names = resolve_subtasks(self.subtasks)
             for L in self.seqs:
                 check_room(L, names)
+        if self.max_queries is not None and self.max_queries <= 0:
+            raise SparseKVError(f"--max-queries must be positive, got {self.max_queries}")
         if self.task == "recall" and self.acts is None:
             raise SparseKVError("--task recall needs --acts DIR (a `sparsekv dump` folder)")
         if self.task == "recall" and "dense" in self.methods:

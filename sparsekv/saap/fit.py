@@ -73,8 +73,10 @@ def check_options(**options: Any) -> TrainConfig:
         raise SparseKVError(f"--probes {o['probes']} is more than the {o['clusters']} buckets (--clusters)")
     if o["sink"] < 0:
         raise SparseKVError(f"--sink must be >= 0, got {o['sink']}")
-    if (o["gap"] is not None and o["gap"] < 1) or (o["min_range"] is not None and o["min_range"] < 0):
-        raise SparseKVError(f"--gap must be >= 1 and --min-range >= 0, got {o['gap']} and {o['min_range']}")
+    if o["gap"] is not None and o["gap"] < 1:
+        raise SparseKVError(f"--gap must be >= 1, got {o['gap']}")
+    if o["min_range"] is not None and o["min_range"] < 0:
+        raise SparseKVError(f"--min-range must be >= 0, got {o['min_range']}")
     patience = o["patience"] if o["query_model"] else 0  # nothing is trained without a Q-model
     check_holdout(o["holdout"], patience)
     cfg = TrainConfig(iters=o["iters"], lr=o["lr"], min_lr=o["lr"], warmup=0, optimizer="adam", betas=(0.9, 0.999),
