@@ -25,7 +25,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Sparse attention over the KV cache of long-context LLMs: dump activations, fit the offline "
                        "stages (calibrate Adamas, train-hash Spotlight, index SAAP), evaluate (passkey, RULER, "
                        "perplexity, selection recall), bench and generate with dense, oracle top-k, StreamingLLM, "
-                       "Adamas, Quest, SimHash (lsh), Spotlight and SAAP attention.")
+                       "Adamas, Quest, SimHash (lsh), Spotlight and SAAP attention. Add --debug anywhere to see a "
+                       "failure's traceback and the libraries' warnings.")
 artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect the versioned artifact store.")
 app.add_typer(artifacts_app, name="artifacts")
 console = Console()
@@ -55,6 +56,8 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help="continue the interrup
                                          "last checkpoint")]
 CheckpointEveryOpt = Annotated[int, typer.Option(help="checkpoint every N iterations (0: only at the end and on an "
                                                  "interrupt)")]
+FitSeedOpt = Annotated[int, typer.Option(help="seed of the fit's random draws (held-out split, sampling, initial "
+                                             "weights or centroids)")]
 
 
 def _with_method_options(command):
@@ -393,7 +396,8 @@ def demo(
 def generate(
     prompt: Annotated[Optional[str], typer.Option(help="prompt text")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(callback=_PROMPT, help="read the prompt from a file")] = None,
-    method: Annotated[str, typer.Option(help="one method: dense, oracle, streaming, adamas, quest, lsh, ...")] = "dense",
+    method: Annotated[str, typer.Option(help="one method: dense, oracle, streaming, adamas, quest, lsh, "
+                                        "spotlight or saap")] = "dense",
     budget: Annotated[float, typer.Option(help="keys per KV head per step (selected + sink + window): a token "
                                           "count or a fraction of the context")] = 64,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
@@ -547,7 +551,7 @@ def calibrate(
     query_scales: Annotated[str, typer.Option(help="queries are coded with the thresholds divided by the best of "
                                               "these (fitted per set; 1 = the paper's one shared set)")] = "1,2,4,8",
     holdout: Annotated[float, typer.Option(help="share of them held out for the before/after report")] = 0.25,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: FitSeedOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
     model: DumpModelOpt = None,
     device: Annotated[str, typer.Option(callback=_kept(validate.device, "--device"),
@@ -638,7 +642,7 @@ def train_hash(
     linear: Annotated[bool, typer.Option("--linear/--no-linear", help="also train the linear hash with the same "
                                          "loss, for the report (the paper's Table 1)")] = False,
     resume: ResumeOpt = False,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: FitSeedOpt = 0,
     query_margin: Annotated[Optional[float], typer.Option(
         help="after training, the held-out IoU of ternary queries at this margin is compared with that of binary "
              "ones and the better margin is recorded for `--method spotlight` (default 0.35; 0: binary queries, "
@@ -718,7 +722,7 @@ def index(
                                              "further gains are under 2 % an evaluation")] = 0.02,
     checkpoint_every: CheckpointEveryOpt = 1000,
     resume: ResumeOpt = False,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: FitSeedOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON, help="write the report here")] = None,
     model: DumpModelOpt = None,
     device: DeviceOpt = "auto",
@@ -865,7 +869,8 @@ def bench(
 
 @artifacts_app.command("list")
 def artifacts_list(root: Annotated[Path, typer.Argument(help="artifact root")] = Path("artifacts"),
-                   json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON)] = None):
+                   json_out: Annotated[Optional[Path], typer.Option("--json", callback=_JSON,
+                                                                    help="write the listing here")] = None):
     """List every artifact version under ROOT, each checked as `verify` does; exit 1 if any is not ok. Temporary
     folders left by interrupted writes are removed (one line says which)."""
     from rich.text import Text
