@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from . import artifacts
 from .artifacts import ArtifactError, save_artifact
 from .cache import SparseCache
-from .errors import SparseKVError
+from .errors import SparseKVError, one_line
 from .progress import Ticker
 from .methods import get_method
 from .models import LoadedModel, cache_kwarg
@@ -183,7 +183,7 @@ class Activations:
             out = load_file(str(self.path / fname))
         except Exception as e:
             raise ArtifactError(f"activations at {self.path} are corrupted: {fname} cannot be read "
-                                f"({artifacts._one_line(e)})") from None
+                                f"({one_line(e)})") from None
         self._verified.add(fname)
         return out
 
@@ -523,5 +523,5 @@ def _dataset_tokens(lm: LoadedModel, name: str, want: int) -> list[int]:
         raise
     except Exception as e:
         raise SparseKVError(f"cannot read dataset {name!r} ({hub_id}, split test): "
-                            f"{artifacts._one_line(e)[:300]}") from None
+                            f"{one_line(e, limit=300)}") from None
     raise SparseKVError(f"dataset {name!r} has only {len(ids)} tokens in its test split; {want} asked")
