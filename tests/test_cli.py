@@ -140,6 +140,8 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--clusters", "8", "--probes", "9"],
      "--probes 9 is more than the 8 buckets"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--holdout", "0"], "--holdout 0 holds no sequence out"),
+    (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--holdout", "0.9"], "--holdout 0.9 holds out all 2 sequences"),
+    (["train-hash", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--holdout", "0.9"], "none is left to fit on"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--iters", "3", "--resume"], "--resume: no checkpoint"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--space", "rope"], "--space must be pre or post"),
     # what needs the dump's manifest only: before its files are hashed (the corrupt copy would fail there)

@@ -48,6 +48,11 @@ class DumpExamples:
         if not layers:
             raise SparseKVError("no layers to fit")
         check_holdout(holdout, patience=0)
+        n_seq = len(acts.seq_lengths)
+        n_held = 0 if holdout == 0 or n_seq < 2 else max(1, round(n_seq * holdout))
+        if n_held >= n_seq:  # before any layer is read
+            raise SparseKVError(f"--holdout {holdout:g} holds out all {n_seq} sequences of the dump at {acts.path}: "
+                                f"none is left to fit on; lower --holdout")
         self.acts, self.layers, self.device = acts, list(layers), torch.device(device)
         suffix = "pre" if pre_rope else "post"
         qs, ks = [], []
@@ -67,8 +72,6 @@ class DumpExamples:
         pos = acts.positions()
         self.q_pos, self.q_seq = pos["q_pos"], pos["q_seq"]
         self.offsets, self.lengths = acts.seq_offsets, acts.seq_lengths
-        n_seq = len(self.lengths)
-        n_held = 0 if holdout == 0 or n_seq < 2 else max(1, round(n_seq * holdout))
         self.fit_seqs = list(range(n_seq - n_held))
         self.held_seqs = list(range(n_seq - n_held, n_seq))
         # queries that see fewer than min_keys keys teach nothing (every key is in any top-k)
