@@ -668,8 +668,8 @@ def train_hash(
         path, report = fit_hashes(data, out, resume=resume, progress=progress, **options)
     iou = report["iou"]
     cols = [k for k in ("linear_before", "linear_after", "mlp_before", "mlp_after") if k in iou["mean"]]
-    t = Table(title=f"IoU with the exact top {100 * (1 - pruning):g} % of keys on held-out queries "
-                    f"({report['heldout']['queries']}), {bits}-bit codes")
+    t = Table(title=f"IoU with the exact top {100 * (1 - pruning):g} % of keys on {_heldout(report['heldout'])}, "
+                    f"{bits}-bit codes")
     header = lambda c: c.replace("_", " ").replace("mlp", "spotlight").replace("linear", "lsh")
     console.print(_layer_table(t, iou["per_layer"], iou["mean"], {header(c): _cell(c) for c in cols}))
     _write_json(json_out, {"artifact": str(path), **report})
@@ -746,8 +746,8 @@ def index(
     metrics = report["metrics"]
     cols = [c for c in ("kl_before", "kl", "hit_centroids", "hit", "mass_centroids", "mass")
             if c in metrics["mean"]]
-    t = Table(title=f"SAAP index on held-out queries ({report['heldout']['queries']}): {report['clusters']['used']} "
-                    f"buckets, top-{metrics['probes']} buckets visited")
+    t = Table(title=f"SAAP index on {_heldout(report['heldout'])}: {report['clusters']['used']} buckets, "
+                    f"top-{metrics['probes']} buckets visited")
     console.print(_layer_table(t, metrics["per_layer"], metrics["mean"],
                                {c.replace("_", " "): _cell(c) for c in cols}))
     b = report["buckets"]
@@ -756,6 +756,14 @@ def index(
     _write_json(json_out, {"artifact": str(path), **report})
     _print_kept(report.get("train", {}), "KL")
     console.print(f"indexed in {report['seconds']:.0f} s on {report['device']}; wrote artifact {path}")
+
+
+def _heldout(held: dict) -> str:
+    """What a fit's report was measured on: held-out queries, or (a dump of one sequence) queries of the sequence
+    it was fitted on, said as such."""
+    if held.get("from_fit_sequences"):
+        return f"{held['queries']} queries of the fitted sequence (the dump has one: nothing is held out)"
+    return f"held-out queries ({held['queries']})"
 
 
 _BENCH_SEQ, _BENCH_NEW_TOKENS = "131072", 32

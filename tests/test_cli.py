@@ -378,3 +378,13 @@ def test_plot_draws_eval_runs_together_against_selectivity(tmp_path):
     assert r.returncode == 2 and "not an eval JSON" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = sparsekv("plot", str(files[0]), "--x", "depth", "--out", str(tmp_path / "c.png"))
     assert r.returncode == 2 and "--x must be one of budget, selectivity" in r.stderr
+
+
+def test_a_fit_report_says_when_nothing_was_held_out():
+    """A dump of one sequence holds nothing out: train-hash's and index's tables say their queries come from the
+    fitted sequence instead of calling them held out."""
+    from sparsekv.cli import _heldout
+
+    assert _heldout({"sequences": 1, "queries": 99, "from_fit_sequences": True}).startswith(
+        "99 queries of the fitted sequence")
+    assert _heldout({"sequences": 3, "queries": 256, "from_fit_sequences": False}) == "held-out queries (256)"
