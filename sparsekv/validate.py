@@ -282,7 +282,7 @@ def _writable_folder(folder: Path, option: str, target: Path) -> None:
 
 
 def text_file(path: Path, option: str) -> Path:
-    """An existing text file (.gz read through): not a folder, not binary (NUL bytes or not UTF-8)."""
+    """An existing text file (.gz read through): not a folder, not empty, not binary (NUL bytes), UTF-8."""
     path = Path(path)
     if not path.exists():
         raise SparseKVError(f"{option} {path}: file not found")
@@ -294,6 +294,8 @@ def text_file(path: Path, option: str) -> Path:
             head = f.read(TEXT_SNIFF)
     except (OSError, EOFError) as e:
         raise SparseKVError(f"{option} {path}: cannot read it ({e})") from None
+    if not head:
+        raise SparseKVError(f"{option} {path}: the file is empty")
     if b"\x00" in head:
         raise SparseKVError(f"{option} {path}: not a text file (binary content)")
     if not _utf8_prefix(head):

@@ -227,6 +227,10 @@ def test_text_files(tmp_path):
     latin.write_bytes(b"caf\xe9 " * 100)
     with pytest.raises(SparseKVError, match="not UTF-8 text"):
         validate.text_file(latin, "--text-file")
+    empty = tmp_path / "e.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(SparseKVError, match="e.txt: the file is empty"):
+        validate.text_file(empty, "--text-file")
     with pytest.raises(SparseKVError, match="file not found"):
         validate.text_file(tmp_path / "missing.txt", "--text-file")
     with pytest.raises(SparseKVError, match="not a file"):
