@@ -441,3 +441,15 @@ def test_lsh_hyperplanes_are_a_run_option():
     assert not torch.equal(m.hyperplanes(0, 2, 16), MethodOptions().build("lsh", budget=32).hyperplanes(0, 2, 16))
     with pytest.raises(SparseKVError, match="unknown projection"):
         MethodOptions(projection="cubic").build("lsh", budget=32)
+
+
+@pytest.mark.parametrize("name,opts,flag", [("quest", {"page_size": 0}, "(--page-size)"),
+                                            ("lsh", {"head_top": -1}, "(--head-top)"),
+                                            ("lsh", {"query_margin": -1.0}, "(--query-margin)"),
+                                            ("lsh", {"projection": "qr"}, "(--projection)"),
+                                            ("adamas", {"bits": 4}, "(--bits)"), ("adamas", {"rerank": 0}, "(--rerank)")])
+def test_a_method_option_error_names_the_flag(name, opts, flag):
+    """Library callers read the keyword, CLI users the flag: a method's option error ends with the flag."""
+    with pytest.raises(SparseKVError) as e:
+        get_method(name, budget=64, **opts)
+    assert str(e.value).endswith(flag), str(e.value)

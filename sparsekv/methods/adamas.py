@@ -114,11 +114,12 @@ class Adamas(Method):
         self.bits = int(fitted.get("bits", 2) if bits is None else bits)
         self.distance = str(fitted.get("distance", "l1") if distance is None else distance)
         if self.bits not in FIXED_THRESHOLDS:
-            raise SparseKVError(f"adamas: bits must be 1, 2 or 3, got {self.bits}")
+            raise SparseKVError(f"adamas: bits must be 1, 2 or 3, got {self.bits} (--bits)")
         if self.distance not in DISTANCES:
-            raise SparseKVError(f"adamas: unknown distance {self.distance!r}: use 'l1', 'l2' or 'ip'")
+            raise SparseKVError(f"adamas: unknown distance {self.distance!r}: use 'l1', 'l2' or 'ip' (--distance)")
         if self.head_top and self.distance == "ip":
-            raise SparseKVError("adamas: head_top ranks code distances (l1, l2), not distance 'ip'")
+            raise SparseKVError("adamas: head_top ranks code distances (l1, l2), not distance 'ip' (--head-top, "
+                                "--distance)")
         n = 2**self.bits - 1
         if self._table is not None:
             for what, t in (("thresholds", self._table), ("query thresholds", self._q_table)):

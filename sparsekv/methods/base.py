@@ -203,10 +203,17 @@ class Method:
                 "pooling": self.pooling.value}
 
 
+def flag_of(what: str) -> str:
+    """" (--name)": the command-line flag of the option a message names at its end ("lsh: head_top"), so that it
+    reads for library callers (the keyword) and CLI users (the flag) alike; "" when `what` is a flag already."""
+    name = what.rsplit(": ", 1)[-1]
+    return "" if name.startswith("--") else f" (--{name.replace('_', '-')})"
+
+
 def whole_option(value: Any, least: int, what: str) -> int:
     """A method's integer option `value`, checked: a whole number >= `least` (its off value), else SparseKVError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise SparseKVError(f"{what} must be a whole number >= {least} ({least} = off), got {value!r}")
+        raise SparseKVError(f"{what} must be a whole number >= {least} ({least} = off), got {value!r}{flag_of(what)}")
     return value
 
 
@@ -214,7 +221,7 @@ def margin_option(value: Any, what: str) -> float:
     """A method's non-negative number option `value` (a margin; 0 = off), checked: a finite number >= 0, else
     SparseKVError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise SparseKVError(f"{what} must be a number >= 0 (0 = off), got {value!r}")
+        raise SparseKVError(f"{what} must be a number >= 0 (0 = off), got {value!r}{flag_of(what)}")
     return float(value)
 
 

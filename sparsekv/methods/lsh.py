@@ -64,9 +64,9 @@ class LSH(HashSelect):
                          query_margin=query_margin, **options)
         self.nbits, self.seed, self.projection = int(nbits), int(seed), str(projection)
         if self.nbits < 1:
-            raise SparseKVError(f"lsh: nbits must be >= 1, got {nbits}")
+            raise SparseKVError(f"lsh: nbits must be >= 1, got {nbits} (--nbits)")
         if self.projection not in PROJECTIONS:
-            raise SparseKVError(f"lsh: unknown projection {projection!r}: use 'rotation' or 'gaussian'")
+            raise SparseKVError(f"lsh: unknown projection {projection!r}: use 'rotation' or 'gaussian' (--projection)")
 
     def new_state(self, layer: int, shape: CacheShape) -> LSHState:
         codes = self.new_codes(shape)

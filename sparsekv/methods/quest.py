@@ -78,7 +78,7 @@ class Quest(Method):
         self.auto_window = window is None
         self.page_size = int(page_size)
         if self.page_size < 1:
-            raise SparseKVError(f"quest: page_size must be >= 1, got {page_size}")
+            raise SparseKVError(f"quest: page_size must be >= 1, got {page_size} (--page-size)")
 
     def new_state(self, layer: int, shape: CacheShape) -> QuestState:
         # pages rounded up to a multiple of 16: a graph-replayed step scores them all (`select`), so the kernels'

@@ -104,7 +104,7 @@ class Saap(Method):
         super().__init__(budget=budget, sink=sink, window=window, pooling=pooling, **options)
         self.cap_keep = "newest" if cap_keep is None else cap_keep
         if self.cap_keep not in CAP_KEEPS:
-            raise SparseKVError(f"saap: cap_keep must be 'newest' or 'oldest', got {cap_keep!r}")
+            raise SparseKVError(f"saap: cap_keep must be 'newest' or 'oldest', got {cap_keep!r} (--cap-keep)")
         self._newest = self.cap_keep == "newest"
         if (artifact is None) == (index is None):
             raise SparseKVError("saap needs its index: --artifact ARTIFACTS/<model>/saap/vN (from `sparsekv index`)"
@@ -123,7 +123,7 @@ class Saap(Method):
                                 f"space={space}")
         self.space = space or fitted.get("space", "pre")
         if self.space not in SPACES:
-            raise SparseKVError(f"saap: space must be 'pre' or 'post', got {self.space!r}")
+            raise SparseKVError(f"saap: space must be 'pre' or 'post', got {self.space!r} (--space)")
         self.needs_pre_rope = self.space == "pre"  # the cache un-rotates keys and queries only when asked
         self.centroids = index["centroids"].float()
         L, H, C, D = self.centroids.shape
@@ -142,7 +142,7 @@ class Saap(Method):
         self.centroid_share = 0.0 if centroid_share is None else float(centroid_share)
         if not 0 <= self.centroid_share < 1:
             raise SparseKVError(f"saap: centroid_share must be in [0, 1) (1: the centroids alone, query_model=False), "
-                                f"got {centroid_share}")
+                                f"got {centroid_share} (--centroid-share)")
         if self.centroid_share and self.model is None:
             raise SparseKVError(f"saap: centroid_share mixes the Q-model's ranking with the centroids'; "
                                 f"{'query_model is off' if has_model else where + ' has no query model'}")
@@ -151,7 +151,8 @@ class Saap(Method):
             raise SparseKVError(f"saap: centroid_share takes an index of at most 32768 buckets; {where} has {C}")
         self.probes = max(1, round(C / 32)) if probes is None else int(probes)
         if not 1 <= self.probes <= C:
-            raise SparseKVError(f"saap: probes must be in [1, {C}] (the index has {C} buckets), got {probes}")
+            raise SparseKVError(f"saap: probes must be in [1, {C}] (the index has {C} buckets), got {probes} "
+                                "(--probes)")
 
     @classmethod
     def untrained(cls, num_layers: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
