@@ -123,7 +123,7 @@ class Saap(Method):
                                 f"space={space}")
         self.space = space or fitted.get("space", "pre")
         if self.space not in SPACES:
-            raise SparseKVError(f"saap: space must be 'pre' or 'post', got {self.space!r} (--space)")
+            raise SparseKVError(f"saap: space must be 'pre' or 'post', got {self.space!r}")
         self.needs_pre_rope = self.space == "pre"  # the cache un-rotates keys and queries only when asked
         self.centroids = index["centroids"].float()
         L, H, C, D = self.centroids.shape
