@@ -18,11 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import num_sms
+from .device import max_shared_mem, num_sms
 from .reference import check_positions, decode_positions, selection_heads
 from .region import window_first
 
 MODE_DENSE, MODE_INDICES = 0, 1
+_GATHER_STAGES = 2  # the gathered path's K/V tiles in flight where shared memory holds them (_launch)
 _NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps exp(x - m) finite for chunks that read nothing
 
 
@@ -139,6 +140,22 @@ def _merge_kernel(M_in, L_in, ACC_in, OUT, stride_ob, stride_oh, Hq, n_chunks,
     tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
+def gather_tiles(device: torch.device, D: int, element_size: int) -> tuple[int, int]:
+    """(keys per tile, stages) of the gathered sparse path: 128 keys with 2 stages in flight where a program may
+    hold those K and V tiles in shared memory (16-bit, d <= 128: 128 KB; an H100, H200 or A100), else 64 keys
+    unpipelined (fp32, consumer cards, the interpreter), 32 past d 128. An H200 sweep of tiles 32-256, 1-4 stages, 4
+    or 8 warps and 2-8 programs per SM on SAAP-, lsh- and Adamas-like selections (131072 tokens, bf16) found 128 keys
+    at 2 stages the fastest on each: 17.4 -> 13.2, 9.2 -> 7.9 and 15.9 -> 15.3 µs against 64 unpipelined
+    (benchmarks/BENCHMARKS.md, "The gathered path's tiles")."""
+    if D > 128:
+        return 32, 1
+    block_d = triton.next_power_of_2(D)
+    need = _GATHER_STAGES * 2 * 128 * block_d * element_size + 16384  # K and V tiles per stage, and some room
+    if device.type == "cuda" and max_shared_mem(device) >= need:
+        return 128, _GATHER_STAGES
+    return 64, 1
+
+
 def _plan(n_slots: int, heads: int, device: torch.device, block_n: int, waves: int = 2) -> tuple[int, int]:
     """(chunk, n_chunks): enough chunks that about `waves` programs per SM run for one batch row's `heads`
     selection heads, each at least one tile long. Counted for one row, not the batch: a row's split (and so its
@@ -213,13 +230,10 @@ def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense,
         n_slots = sink + n_sparse + window
         if indices is not None and idx.shape[0] != B:
             idx = idx.expand(B, -1, -1)
-    # dense reads best in 128-key tiles with 3 stages (H100, bf16, d 128, 32/8 heads, 131072 tokens); the gathered
-    # sparse path of 16-bit K/V in 128-key tiles with 2 stages (H200 sweep of tiles 32-256, 1-4 stages, 4 or 8 warps,
-    # 2-8 programs per SM on SAAP-, lsh- and Adamas-like selections: 17.4 -> 13.2, 9.2 -> 7.9, 15.9 -> 15.3 µs
-    # against 64-key tiles unpipelined), which fp32 tiles would take past the shared memory: those keep 64 and 1
-    BLOCK_N = block_n or ((128 if mode == MODE_DENSE or keys.element_size() == 2 else 64) if D <= 128 else 32)
-    num_stages = num_stages or (3 if mode == MODE_DENSE else 2 if keys.element_size() == 2 and D <= 128 else 1)
     BLOCK_D = triton.next_power_of_2(D)
+    # dense reads best in 128-key tiles with 3 stages (H100, bf16, d 128, 32/8 heads, 131072 tokens)
+    tiles = (128 if D <= 128 else 32, 3) if mode == MODE_DENSE else gather_tiles(q.device, D, keys.element_size())
+    BLOCK_N, num_stages = block_n or tiles[0], num_stages or tiles[1]
     BLOCK_G = max(16, triton.next_power_of_2(group_rows))  # tl.dot needs at least 16 rows
     if mode == MODE_DENSE:  # chunk: computed per row in the kernel
         chunk, n_chunks = 0, _dense_chunks(Hs, q.device, waves)

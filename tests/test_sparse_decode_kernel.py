@@ -358,3 +358,21 @@ def test_block_positions_match_reference(span, sink, window):
         want, want_count = block_positions_reference(blocks, 8, lengths, span, sink, window)
         assert got.shape == (3, 2, 40) and torch.equal(got, want) and (got == -1).any() and (got >= 0).any()
         torch.testing.assert_close(count, want_count)  # 6 (row, head) pairs: fp32 sums of sixths
+
+
+@pytest.mark.parametrize("smem,element_size,D,want", [
+    (232448, 2, 128, (128, 2)),  # H100 / H200, bf16
+    (166912, 2, 128, (128, 2)),  # A100
+    (101376, 2, 128, (64, 1)),  # consumer Ada / Ampere: two stages of 128-key K/V tiles do not fit
+    (232448, 4, 128, (64, 1)),  # fp32 tiles are twice the bytes
+    (101376, 2, 64, (128, 2)),  # head dim 64 (SmolLM2): half the bytes
+    (232448, 2, 256, (32, 1)),  # head dim 256
+])
+def test_gathered_tiles_follow_the_shared_memory(smem, element_size, D, want, monkeypatch):
+    """The gathered path's wide, pipelined tiles only where a program's shared memory holds them; the
+    interpreter keeps the narrow ones."""
+    from sparsekv.kernels import sparse_decode as sd
+
+    monkeypatch.setattr(sd, "max_shared_mem", lambda device: smem)
+    assert sd.gather_tiles(torch.device("cuda"), D, element_size) == want
+    assert sd.gather_tiles(torch.device("cpu"), D, element_size)[1] == 1
