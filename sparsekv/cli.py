@@ -244,7 +244,8 @@ def eval_cmd(
     method: Annotated[str, typer.Option(help="method(s), comma-separated: dense, oracle, streaming, adamas, quest, "
                                         "lsh, spotlight, saap")] = "dense",
     budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token "
-                                        "count(s) or fraction(s) of the context, comma-separated")] = "64",
+                                        "count(s), or fraction(s) of the context below 1 (0.05: 5 %; 1 is one "
+                                        "token), comma-separated")] = "64",
     seq: Annotated[Optional[str], typer.Option(help="prompt length(s) in tokens, comma-separated (ppl: window "
                                                "length; default 1024; recall: the dump's)")] = None,
     n: Annotated[Optional[int], typer.Option(help="samples per cell (RULER: per subtask; ppl: text windows); "
@@ -399,7 +400,8 @@ def generate(
     method: Annotated[str, typer.Option(help="one method: dense, oracle, streaming, adamas, quest, lsh, "
                                         "spotlight or saap")] = "dense",
     budget: Annotated[float, typer.Option(help="keys per KV head per step (selected + sink + window): a token "
-                                          "count or a fraction of the context")] = 64,
+                                          "count, or a fraction of the context below 1 (0.05: 5 %; 1 is one "
+                                          "token)")] = 64,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = True,
     dense_layers: DenseLayersOpt = "",
@@ -782,8 +784,9 @@ def bench(
     method: Annotated[str, typer.Option(help="method(s), comma-separated: dense (= sdpa + flashdecode), sdpa, "
                                         "flashdecode, or any registered method")] = "dense,oracle,streaming",
     methods: Annotated[Optional[str], typer.Option(hidden=True, help="old spelling of --method")] = None,
-    budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token count(s) "
-                                        "or fraction(s) of the context, comma-separated")] = "2048",
+    budget: Annotated[str, typer.Option(help="keys per KV head per step (selected + sink + window): token count(s), "
+                                        "or fraction(s) of the context below 1 (0.05: 5 %; 1 is one token), "
+                                        "comma-separated")] = "2048",
     batch: Annotated[str, typer.Option(help="sequences decoded together (with --e2e: comma-separated sizes)")] = "1",
     dtype: Annotated[str, typer.Option(help="fp32, fp16, bf16")] = "bf16",
     sweep: Annotated[bool, typer.Option(help="sweep seq over 8K..512K (what fits in GPU memory) x the budgets")] = False,

@@ -142,13 +142,19 @@ def wire(lm: LoadedModel, device: str | torch.device | None = None) -> LoadedMod
 
 def _load_hf(where: str, dtype, gguf_file: str | None = None, name: str = "") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     kw = {"gguf_file": gguf_file} if gguf_file else {}
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # our callers say what loads (one status line); no second bar on stderr
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype or "auto", **kw)
     except Exception as e:  # a missing folder or file, no tokenizer, truncated weights, an unknown architecture
         raise SparseKVError(f"cannot load model {where!r}: {one_line(e, limit=300)}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return LoadedModel(model, tok, name or where, where if not gguf_file else str(Path(where) / gguf_file))
 
 
