@@ -96,13 +96,18 @@ class Method:
     needs_pre_rope: ClassVar[bool] = False  # the cache un-rotates keys/queries only for methods that ask
     needs_artifact: ClassVar[bool] = False
 
+    @classmethod
+    def pooling_for(cls, pooling: Pooling | str | None) -> Pooling:
+        """The pooling the method runs with: `pooling` when given, else its default."""
+        return Pooling.parse(cls.default_pooling if pooling is None else pooling)
+
     def __init__(self, budget: float = 1.0, sink: int | None = None, window: int | None = None,
                  pooling: Pooling | str | None = None, **options: Any):
         if options:
             raise SparseKVError(f"method {self.name!r} has no option(s) {', '.join(sorted(options))}")
         if budget <= 0:
             raise SparseKVError(f"budget must be positive, got {budget}")
-        self.pooling = Pooling.parse(self.default_pooling if pooling is None else pooling)
+        self.pooling = self.pooling_for(pooling)
         self.budget = budget
         self.sink = self.default_sink if sink is None else int(sink)
         self.window = self.default_window if window is None else int(window)

@@ -118,16 +118,12 @@ class MethodOptions:
         if unused:
             raise SparseKVError(f"option(s) {', '.join('--' + u.replace('_', '-') for u in unused)} apply to none of "
                                 f"the methods {', '.join(methods)}")
-        takers = [m for m in methods if "head_top" in self.for_method(m)]
-        if self.given().get("head_top") and all(self._pooling(m) is not Pooling.GROUP for m in takers):
-            # each query head already chooses its own keys: the option would be dropped without a word
-            raise SparseKVError(f"--head-top applies with pooling 'group' (one choice per KV head); "
-                                f"{', '.join(takers)} choose per query head here: add --pooling group")
-
-    def _pooling(self, name: str) -> Pooling:
-        """The pooling `name` runs with: --pooling when given, else the method's default."""
-        given = self.given().get("pooling")
-        return Pooling.parse(REGISTRY[name].default_pooling if given is None else given)
+        if self.given().get("head_top"):
+            takers = [m for m in methods if "head_top" in self.for_method(m)]
+            if all(REGISTRY[m].pooling_for(self.pooling) is not Pooling.GROUP for m in takers):
+                # each query head already chooses its own keys: the option would be dropped without a word
+                raise SparseKVError(f"--head-top applies with pooling 'group' (one choice per KV head); "
+                                    f"{', '.join(takers)} choose per query head here: add --pooling group")
 
     @cached_property
     def _checked(self) -> set:
