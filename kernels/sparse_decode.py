@@ -166,6 +166,18 @@ def _plan(n_slots: int, heads: int, device: torch.device, block_n: int, waves: i
     return chunk, triton.cdiv(max(n_slots, 1), chunk)
 
 
+def _dense_tiles(D: int, logits: bool) -> tuple[int, int, int]:
+    """(keys per tile, stages, programs per SM) of a dense pass. Attention: 64-key tiles, 3 stages, 2 programs per
+    SM, which two fit in shared memory at once (d 128, 16 bits: 96 KB each), where 128-key tiles at 4 programs per
+    SM ran one program at a time. An H200 sweep (bf16, d 128, 32/8 heads; 6 x 6 x 2 launch configurations) found it
+    the fastest or within 1 % of it at 32768 and 131072 tokens, batch 1, and at 32768, batch 8: 43.4 -> 38.7,
+    131.6 -> 127.1 and 268.2 -> 250.7 µs (benchmarks/BENCHMARKS.md, "Flash-decoding's tiles"). The q·k pass
+    (`qk_logits`: keys only) keeps 128-key tiles, 3 stages, 4 programs per SM."""
+    if logits:
+        return (128 if D <= 128 else 32), 3, 4
+    return (64 if D <= 128 else 32), 3, 2
+
+
 def _dense_chunks(heads: int, device: torch.device, waves: int) -> int:
     """Chunks of a dense step: the grid's first axis, fixed by the device and the heads alone; each row divides its
     own keys among them in the kernel."""
@@ -177,14 +189,15 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
                   lengths: int | torch.Tensor, indices: torch.Tensor | None = None, *, sink: int = 0,
                   window: int = 0, span: int = 0, dense: bool = False, extent: int | None = None,
                   softcap: float | None = None, check: bool = False, block_n: int | None = None,
-                  num_warps: int = 4, num_stages: int | None = None, waves: int = 4) -> torch.Tensor:
+                  num_warps: int = 4, num_stages: int | None = None, waves: int | None = None) -> torch.Tensor:
     """q [B, Hq, 1, D] over the keys `reference.decode_positions` names -> [B, Hq, 1, D]. Same contract as
     `reference.sparse_decode_reference`.
 
     `lengths`: valid keys, an int or per row [B] on the device (read there: no host sync). `extent`: the cache slots
     a dense step's grid covers (a graph-replayed step's capacity); default the int length, or the whole buffer.
     `check=True` rejects duplicate positions first (a host sync: for tests and debugging). block_n / num_warps /
-    num_stages / waves (programs per SM) are tuning knobs with defaults measured on an H100.
+    num_stages / waves (programs per SM) are tuning knobs; their defaults are `_dense_tiles` for a dense step and
+    `gather_tiles` (4 programs per SM) for a selection.
     """
     return _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense, extent, softcap, check,
                    False, block_n, num_warps, num_stages, waves)
@@ -192,7 +205,7 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
 
 def qk_logits(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor | None = None, *,
               block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-              waves: int = 4) -> torch.Tensor:
+              waves: int | None = None) -> torch.Tensor:
     """The exact q·k (unscaled, fp32) [B, Hq, m] of the keys [B, Hkv, L, D] at `indices` [B, H, m] (H = Hkv: a
     group's query heads score the same keys; H = Hq: each query head its own; -1 pads give -inf), or of every key
     when indices is None (m = L). The sparse-decode pass with the attention left out: each key is read once for
@@ -231,9 +244,8 @@ def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense,
         if indices is not None and idx.shape[0] != B:
             idx = idx.expand(B, -1, -1)
     BLOCK_D = triton.next_power_of_2(D)
-    # dense reads best in 128-key tiles with 3 stages (H100, bf16, d 128, 32/8 heads, 131072 tokens)
-    tiles = (128 if D <= 128 else 32, 3) if mode == MODE_DENSE else gather_tiles(q.device, D, keys.element_size())
-    BLOCK_N, num_stages = block_n or tiles[0], num_stages or tiles[1]
+    tiles = _dense_tiles(D, logits) if mode == MODE_DENSE else (*gather_tiles(q.device, D, keys.element_size()), 4)
+    BLOCK_N, num_stages, waves = block_n or tiles[0], num_stages or tiles[1], waves or tiles[2]
     BLOCK_G = max(16, triton.next_power_of_2(group_rows))  # tl.dot needs at least 16 rows
     if mode == MODE_DENSE:  # chunk: computed per row in the kernel
         chunk, n_chunks = 0, _dense_chunks(Hs, q.device, waves)
