@@ -143,7 +143,7 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
     for step in range(max_new_tokens):
         if keep_logits:
             kept.append(logits[0].float().cpu())
-        nxt = int(logits[0].argmax())
+        nxt = int(greedy(logits)[0])
         clock.tick()
         out.append(nxt)
         if nxt in eos or step == max_new_tokens - 1:
@@ -192,7 +192,7 @@ def generate_batch(lm: LoadedModel, prompts: list | None, method: Method, max_ne
     done = [False] * B
     clock = _StepClock()
     for step in range(max(limits)):
-        nxt = logits.argmax(-1)
+        nxt = greedy(logits)
         clock.tick()
         for b, t in enumerate(nxt.tolist()):
             if not done[b]:
@@ -207,6 +207,20 @@ def generate_batch(lm: LoadedModel, prompts: list | None, method: Method, max_ne
     cache.release()
     return [Generation(o, lm.tokenizer.decode(o, skip_special_tokens=True), a, dict(stats), k, dict(timing))
             for o, a, k in zip(out, n, kept)]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy next token of each row of logits [B, V]: `logits.argmax(-1)`, the first of equal maxima (NaN
+    counts as the largest, as there), in two reductions. On a GPU one row's argmax is a single thread block
+    (39 µs over Llama-3's 128256 logits on an H200, for every generated token); the maximum of each run of up to 1024
+    logits first spreads the work over the GPU."""
+    B, V = logits.shape
+    run = 1 << min(10, (V & -V).bit_length() - 1)  # the largest power of two <= 1024 dividing V
+    if run < 64 or V <= run:
+        return logits.argmax(-1)
+    best, where = logits.reshape(B, V // run, run).max(-1)
+    top = best.argmax(-1, keepdim=True)
+    return top.squeeze(-1) * run + where.gather(-1, top).squeeze(-1)
 
 
 class _StepClock:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparsekv.decode import generate
+from sparsekv.decode import generate, greedy
 from sparsekv.methods import get_method
 
 
@@ -25,6 +25,25 @@ def test_dense_matches_eager(tiny, prompt_ids):
     assert g.tokens == tokens
     for ours, theirs in zip(g.logits, scores):
         torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [128256, 49152, 32000, 50257, 96, 64])
+def test_greedy_is_argmax(vocab, device):
+    """The two-step greedy pick equals argmax: random logits, equal maxima (the first wins), NaN (the first wins)
+    and -inf rows, in bf16 and fp32, on every device here."""
+    g = torch.Generator().manual_seed(vocab)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(4, vocab, generator=g).to(dtype)
+        x[1] = x[1].round()  # bf16 and rounding: many equal values, equal maxima among them
+        x[2, [vocab // 3, vocab // 2, vocab - 1]] = 100.0
+        x[3] = float("-inf")
+        x[0, [vocab - 2, 5]] = float("nan")
+        x = x.to(device)
+        assert greedy(x).tolist() == x.argmax(-1).tolist() == [5, x[1].argmax().item(), vocab // 3, 0]
 
 
 def test_chunked_prefill_matches_single_prefill(tiny, prompt_ids):
