@@ -142,16 +142,17 @@ def _merge_kernel(M_in, L_in, ACC_in, OUT, stride_ob, stride_oh, Hq, n_chunks,
 
 def gather_tiles(device: torch.device, D: int, element_size: int) -> tuple[int, int]:
     """(keys per tile, stages) of the gathered sparse path: 128 keys with 2 stages in flight where a program may
-    hold those K and V tiles in shared memory (16-bit, d <= 128: 128 KB; an H100, H200 or A100), else 64 keys
-    unpipelined (fp32, consumer cards, the interpreter), 32 past d 128. An H200 sweep of tiles 32-256, 1-4 stages, 4
-    or 8 warps and 2-8 programs per SM on SAAP-, lsh- and Adamas-like selections (131072 tokens, bf16) found 128 keys
-    at 2 stages the fastest on each: 17.4 -> 13.2, 9.2 -> 7.9 and 15.9 -> 15.3 µs against 64 unpipelined
-    (benchmarks/BENCHMARKS.md, "The gathered path's tiles")."""
+    hold those K and V tiles in shared memory (16-bit, d 128: 128 KB; an H100, H200 or A100) and the head dim fills
+    its tile (32, 64 or 128), else 64 keys unpipelined (fp32, consumer cards, the interpreter, other head dims), 32
+    past d 128. An H200 sweep of tiles 32-256, 1-4 stages, 4 or 8 warps and 2-8 programs per SM on SAAP-, lsh- and
+    Adamas-like selections (131072 tokens, bf16) found 128 keys at 2 stages the fastest on each: 17.4 -> 13.2,
+    9.2 -> 7.9 and 15.9 -> 15.3 µs against 64 unpipelined (benchmarks/BENCHMARKS.md, "The gathered path's tiles").
+    A head dim of 20 (a tile of 32, masked) does not compile at 128 keys and 2 stages: Triton 3.6's layout pass
+    fails (H200); 32, 64, 96 and 128 compile, and 96 stays on the narrow tiles, unmeasured."""
     if D > 128:
         return 32, 1
-    block_d = triton.next_power_of_2(D)
-    need = _GATHER_STAGES * 2 * 128 * block_d * element_size + 16384  # K and V tiles per stage, and some room
-    if device.type == "cuda" and max_shared_mem(device) >= need:
+    need = _GATHER_STAGES * 2 * 128 * D * element_size + 16384  # K and V tiles per stage, and some room
+    if D in (32, 64, 128) and device.type == "cuda" and max_shared_mem(device) >= need:
         return 128, _GATHER_STAGES
     return 64, 1
 
@@ -171,11 +172,12 @@ def _dense_tiles(D: int, logits: bool) -> tuple[int, int, int]:
     SM, which two fit in shared memory at once (d 128, 16 bits: 96 KB each), where 128-key tiles at 4 programs per
     SM ran one program at a time. An H200 sweep (bf16, d 128, 32/8 heads; 6 x 6 x 2 launch configurations) found it
     the fastest or within 1 % of it at 32768 and 131072 tokens, batch 1, and at 32768, batch 8: 43.4 -> 38.7,
-    131.6 -> 127.1 and 268.2 -> 250.7 µs (benchmarks/BENCHMARKS.md, "Flash-decoding's tiles"). The q·k pass
-    (`qk_logits`: keys only) keeps 128-key tiles, 3 stages, 4 programs per SM."""
-    if logits:
+    131.6 -> 127.1 and 268.2 -> 250.7 µs (benchmarks/BENCHMARKS.md, "Flash-decoding's tiles"). Other head dims
+    (they compile, unmeasured) and the q·k pass (`qk_logits`: keys only; the best of 12 configurations timed for it
+    was within 2.5 % of this) keep 128-key tiles, 3 stages, 4 programs per SM."""
+    if logits or D != 128:
         return (128 if D <= 128 else 32), 3, 4
-    return (64 if D <= 128 else 32), 3, 2
+    return 64, 3, 2
 
 
 def _dense_chunks(heads: int, device: torch.device, waves: int) -> int:

@@ -367,6 +367,9 @@ def test_block_positions_match_reference(span, sink, window):
     (232448, 4, 128, (64, 1)),  # fp32 tiles are twice the bytes
     (101376, 2, 64, (128, 2)),  # head dim 64 (SmolLM2): half the bytes
     (232448, 2, 256, (32, 1)),  # head dim 256
+    (232448, 2, 20, (64, 1)),  # a head dim that does not fill its tile: 128 keys at 2 stages fail to compile
+    (232448, 2, 96, (64, 1)),
+    (232448, 2, 32, (128, 2)),
 ])
 def test_gathered_tiles_follow_the_shared_memory(smem, element_size, D, want, monkeypatch):
     """The gathered path's wide, pipelined tiles only where a program's shared memory holds them; the
