@@ -549,6 +549,17 @@ def test_targets_pair_earlier_keys_by_default_and_the_report_scores_causal_pairs
     assert report_both["metrics"]["mean"] == report["metrics"]["mean"]  # the centroids scored on the same pairs
 
 
+def test_a_cluster_cap_below_the_probes_says_so(dump):
+    """A dump too small for --clusters caps them (faiss wants 39 keys per centroid); when the cap also cuts
+    --probes, the note says the report visits every bucket."""
+    _, config, report = index_keys(dump, clusters=256, probes=200, query_model=False, heldout_queries=16)
+    used = report["clusters"]["used"]
+    assert used < 200 and config["probes_reported"] == used
+    assert f"visits all {used} buckets, not --probes 200" in report["clusters"]["note"]
+    _, _, report = index_keys(dump, clusters=256, probes=2, query_model=False, heldout_queries=16)
+    assert "capped" in report["clusters"]["note"] and "--probes" not in report["clusters"]["note"]
+
+
 def test_cached_targets_equal_the_ones_each_step_computes(dump):
     """A query's target is fixed (frozen attention, fixed buckets): looked up from its sequence's targets computed
     once (kept in bf16), it equals the step's own computation to bf16's rounding, and so does the loss."""

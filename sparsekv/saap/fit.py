@@ -128,6 +128,8 @@ def index_keys(acts: Activations, *, layers: Sequence[int] | None = None, cluste
     rows = torch.cat([torch.arange(data.offsets[s] + sink, data.offsets[s] + data.lengths[s])
                       for s in data.fit_seqs])
     C, note = clusters_for(clusters, len(rows))
+    if note and probes is not None and probes > C:
+        note += f"; the held-out report visits all {C} buckets, not --probes {probes}"
     if note:
         tick.note(note)
     probes = max(1, round(C / 32)) if probes is None else min(int(probes), C)
