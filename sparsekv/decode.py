@@ -211,9 +211,10 @@ def generate_batch(lm: LoadedModel, prompts: list | None, method: Method, max_ne
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The greedy next token of each row of logits [B, V]: `logits.argmax(-1)`, the first of equal maxima (NaN
-    counts as the largest, as there), in two reductions. On a GPU one row's argmax is a single thread block: 26.7 µs
-    over Llama-3's 128256 bf16 logits on an H200, for every generated token. Taking the maximum of each run of up to
-    1024 logits first spreads the work over the GPU: 11.4 µs (benchmarks/BENCHMARKS.md, "Flash-decoding's tiles")."""
+    counts as the largest, as there), in two reductions. On a GPU torch's argmax of one long row uses few threads:
+    26.7 µs over Llama-3's 128256 bf16 logits on an H200, for every generated token. Taking the maximum of each run
+    of up to 1024 logits first spreads the work over the GPU: 11.4 µs (benchmarks/BENCHMARKS.md, "Flash-decoding's
+    tiles")."""
     B, V = logits.shape
     run = 1 << min(10, (V & -V).bit_length() - 1)  # the largest power of two <= 1024 dividing V
     if run < 64 or V <= run:
