@@ -169,10 +169,9 @@ def _plan(n_slots: int, heads: int, device: torch.device, block_n: int, waves: i
 
 def _dense_tiles(D: int, logits: bool) -> tuple[int, int, int]:
     """(keys per tile, stages, programs per SM) of a dense pass. Attention: 64-key tiles, 3 stages, 2 programs per
-    SM, which two fit in shared memory at once (d 128, 16 bits: 96 KB each), where 128-key tiles at 4 programs per
-    SM ran one program at a time. An H200 sweep (bf16, d 128, 32/8 heads; 6 x 6 x 2 launch configurations) found it
-    the fastest or within 1 % of it at 32768 and 131072 tokens, batch 1, and at 32768, batch 8: 43.4 -> 38.7,
-    131.6 -> 127.1 and 268.2 -> 250.7 µs (benchmarks/BENCHMARKS.md, "Flash-decoding's tiles"). Other head dims
+    SM. An H200 sweep (bf16, d 128, 32/8 heads; 6 x 6 x 2 launch configurations) found it the fastest or within 1 %
+    of it at 32768 and 131072 tokens, batch 1, and at 32768, batch 8: 43.4 -> 38.7, 131.6 -> 127.1 and
+    268.2 -> 250.7 µs against the old defaults (benchmarks/BENCHMARKS.md, "Flash-decoding's tiles"). Other head dims
     (they compile, unmeasured) and the q·k pass (`qk_logits`: keys only; the best of 12 configurations timed for it
     was within 2.5 % of this) keep 128-key tiles, 3 stages, 4 programs per SM."""
     if logits or D != 128:
