@@ -141,14 +141,16 @@ def _merge_kernel(M_in, L_in, ACC_in, OUT, stride_ob, stride_oh, Hq, n_chunks,
 
 
 def gather_tiles(device: torch.device, D: int, element_size: int) -> tuple[int, int]:
-    """(keys per tile, stages) of the gathered sparse path: 128 keys with 2 stages in flight where a program may
-    hold those K and V tiles in shared memory (16-bit, d 128: 128 KB; an H100, H200 or A100) and the head dim fills
-    its tile (32, 64 or 128), else 64 keys unpipelined (fp32, consumer cards, the interpreter, other head dims), 32
-    past d 128. An H200 sweep of tiles 32-256, 1-4 stages, 4 or 8 warps and 2-8 programs per SM on SAAP-, lsh- and
-    Adamas-like selections (131072 tokens, bf16) found 128 keys at 2 stages the fastest on each: 17.4 -> 13.2,
-    9.2 -> 7.9 and 15.9 -> 15.3 µs against 64 unpipelined (benchmarks/BENCHMARKS.md, "The gathered path's tiles").
-    A head dim of 20 (a tile of 32, masked) does not compile at 128 keys and 2 stages: Triton 3.6's layout pass
-    fails (H200); 32, 64, 96 and 128 compile, and 96 stays on the narrow tiles, unmeasured."""
+    """(keys per tile, stages) of the gathered sparse path: 128 keys with 2 stages in flight where a program could
+    hold two stages of those K and V tiles in shared memory (16-bit, d 128: 128 KB; an H100, H200 or A100) and the
+    head dim fills its tile (32, 64 or 128), else 64 keys unpipelined (fp32, consumer cards, the interpreter, other
+    head dims), 32 past d 128. The shared-memory bound is conservative, the mark of the cards the tiles suit rather
+    than the kernel's need: compiled for sm_90 by Triton 3.9 it holds 42 KB at d 128. An H200 sweep of tiles
+    32-256, 1-4 stages, 4 or 8 warps and 2-8 programs per SM on SAAP-, lsh- and Adamas-like selections (131072
+    tokens, bf16) found 128 keys at 2 stages the fastest on each: 17.4 -> 13.2, 9.2 -> 7.9 and 15.9 -> 15.3 µs
+    against 64 unpipelined (benchmarks/BENCHMARKS.md, "The gathered path's tiles"). A head dim of 20 (a tile of 32,
+    masked) does not compile at 128 keys and 2 stages: Triton 3.6's layout pass fails (H200); 32, 64, 96 and 128
+    compile, and 96 stays on the narrow tiles, unmeasured."""
     if D > 128:
         return 32, 1
     need = _GATHER_STAGES * 2 * 128 * D * element_size + 16384  # K and V tiles per stage, and some room

@@ -363,7 +363,7 @@ def test_block_positions_match_reference(span, sink, window):
 @pytest.mark.parametrize("smem,element_size,D,want", [
     (232448, 2, 128, (128, 2)),  # H100 / H200, bf16
     (166912, 2, 128, (128, 2)),  # A100
-    (101376, 2, 128, (64, 1)),  # consumer Ada / Ampere: two stages of 128-key K/V tiles do not fit
+    (101376, 2, 128, (64, 1)),  # consumer Ada / Ampere (the bound: two stages of 128-key K/V tiles)
     (232448, 4, 128, (64, 1)),  # fp32 tiles are twice the bytes
     (101376, 2, 64, (128, 2)),  # head dim 64 (SmolLM2): half the bytes
     (232448, 2, 256, (32, 1)),  # head dim 256
@@ -372,8 +372,8 @@ def test_block_positions_match_reference(span, sink, window):
     (232448, 2, 32, (128, 2)),
 ])
 def test_gathered_tiles_follow_the_shared_memory(smem, element_size, D, want, monkeypatch):
-    """The gathered path's wide, pipelined tiles only where a program's shared memory holds them; the
-    interpreter keeps the narrow ones."""
+    """The gathered path's wide, pipelined tiles only where a program's shared memory could hold two stages of their
+    K and V tiles, and the head dim fills its tile; the interpreter keeps the narrow ones."""
     from sparsekv.kernels import sparse_decode as sd
 
     monkeypatch.setattr(sd, "max_shared_mem", lambda device: smem)
