@@ -23,7 +23,8 @@ from .reference import check_positions, decode_positions, selection_heads
 from .region import window_first
 
 MODE_DENSE, MODE_INDICES = 0, 1
-_GATHER_STAGES = 2  # the gathered path's K/V tiles in flight where shared memory holds them (_launch)
+_GATHER_STAGES = 2  # the gathered path's K/V tiles in flight on the cards `gather_tiles` gives its wide tiles
+_GATHER_WAVES = 4  # the gathered path's programs per SM (`_plan`), whatever its tiles
 _NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps exp(x - m) finite for chunks that read nothing
 
 
@@ -153,7 +154,7 @@ def gather_tiles(device: torch.device, D: int, element_size: int) -> tuple[int, 
     compile, and 96 stays on the narrow tiles, unmeasured."""
     if D > 128:
         return 32, 1
-    need = _GATHER_STAGES * 2 * 128 * D * element_size + 16384  # K and V tiles per stage, and some room
+    need = _GATHER_STAGES * 2 * 128 * D * element_size + 16384  # two stages of K/V tiles and some room: the bound
     if D in (32, 64, 128) and device.type == "cuda" and max_shared_mem(device) >= need:
         return 128, _GATHER_STAGES
     return 64, 1
@@ -200,7 +201,7 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     a dense step's grid covers (a graph-replayed step's capacity); default the int length, or the whole buffer.
     `check=True` rejects duplicate positions first (a host sync: for tests and debugging). block_n / num_warps /
     num_stages / waves (programs per SM) are tuning knobs; their defaults are `_dense_tiles` for a dense step and
-    `gather_tiles` (4 programs per SM) for a selection.
+    `gather_tiles` with `_GATHER_WAVES` for a selection.
     """
     return _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense, extent, softcap, check,
                    False, block_n, num_warps, num_stages, waves)
@@ -247,7 +248,10 @@ def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense,
         if indices is not None and idx.shape[0] != B:
             idx = idx.expand(B, -1, -1)
     BLOCK_D = triton.next_power_of_2(D)
-    tiles = _dense_tiles(D, logits) if mode == MODE_DENSE else (*gather_tiles(q.device, D, keys.element_size()), 4)
+    if mode == MODE_DENSE:
+        tiles = _dense_tiles(D, logits)
+    else:
+        tiles = (*gather_tiles(q.device, D, keys.element_size()), _GATHER_WAVES)
     BLOCK_N, num_stages, waves = block_n or tiles[0], num_stages or tiles[1], waves or tiles[2]
     BLOCK_G = max(16, triton.next_power_of_2(group_rows))  # tl.dot needs at least 16 rows
     if mode == MODE_DENSE:  # chunk: computed per row in the kernel
