@@ -94,6 +94,21 @@ class DecodeStats:
         for e in entries:
             self.add(e, length)
 
+    def checkpoint(self) -> tuple:
+        """The totals now, to `restore` after steps that turn out not to count (a step the decode loop queued
+        ahead for a token it then did not need). The device part is copied behind the queued work, not read."""
+        return (self.steps, self.available, self.selected, self.sink, self.window,
+                None if self.on_device is None else self.on_device.clone())
+
+    def restore(self, mark: tuple) -> None:
+        """Back to a `checkpoint`'s totals. The device accumulator is set in place: captured graphs add into it."""
+        self.steps, self.available, self.selected, self.sink, self.window, on_device = mark
+        if self.on_device is not None:
+            if on_device is None:
+                self.on_device.zero_()
+            else:
+                self.on_device.copy_(on_device)
+
     def summary(self) -> dict:
         n = max(self.steps, 1)
         selected = self.selected + (float(self.on_device) if self.on_device is not None else 0.0)  # one read

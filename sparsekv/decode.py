@@ -137,22 +137,12 @@ def generate(lm: LoadedModel, input_ids: torch.Tensor | list[int] | None, method
         logits = _load_prefill(cache, prefilled)
     cache.fix_budget()
     eos = _eos_ids(lm) if stop_on_eos else set()
-    step_fn = make_step(lm, cache)
-    out, kept = [], []
-    clock = _StepClock()
-    for step in range(max_new_tokens):
-        if keep_logits:
-            kept.append(logits[0].float().cpu())
-        nxt = int(greedy(logits)[0])
-        clock.tick()
-        out.append(nxt)
-        if nxt in eos or step == max_new_tokens - 1:
-            break
-        logits = step_fn(torch.tensor([[nxt]], device=ids.device), n + step)
+    outs, kepts, timing = _greedy_loop(make_step(lm, cache), cache, logits, [n], [max_new_tokens], eos, keep_logits)
+    out, kept = outs[0], kepts[0]
     text = lm.tokenizer.decode(out, skip_special_tokens=True)
     stats = cache.stats.summary()
     cache.release()
-    return Generation(out, text, n, stats, kept, clock.summary())
+    return Generation(out, text, n, stats, kept, timing)
 
 
 @torch.no_grad()
@@ -186,27 +176,99 @@ def generate_batch(lm: LoadedModel, prompts: list | None, method: Method, max_ne
     logits = torch.cat(logits)
     cache.fix_budget()
     eos = _eos_ids(lm) if stop_on_eos else set()
-    step_fn = make_step(lm, cache)
+    out, kept, timing = _greedy_loop(make_step(lm, cache), cache, logits, n, limits, eos, keep_logits)
+    stats = cache.stats.summary()
+    cache.release()
+    return [Generation(o, lm.tokenizer.decode(o, skip_special_tokens=True), a, dict(stats), k, dict(timing))
+            for o, a, k in zip(out, n, kept)]
+
+
+def _greedy_loop(step_fn, cache: SparseCache, logits: torch.Tensor, start: list[int], limits: list[int],
+                 eos: set[int], keep_logits: bool) -> tuple[list[list[int]], list[list[torch.Tensor]], dict]:
+    """Greedy decoding of every row from `logits` [B, vocab] (each row's prompt ends at start[b] - 1; row b keeps at
+    most limits[b] tokens, and stops early at an EOS id): the tokens and kept logits per row, and the step clock.
+
+    Each token is picked on the device and fed to the next step there. Where steps run asynchronously (a GPU), the
+    step that makes token t + 1 is queued before the host waits for token t, so the GPU does not stand idle while the
+    host reads a token, checks it and launches the next step: on an H200 that wait cost 0.14-0.40 ms a token at
+    131072 tokens of Llama-3-8B's shape, 4 % of dense's step (benchmarks/BENCHMARKS.md, "The host off the decode
+    path"). A generation that stops at an EOS has then queued one step too many: it runs, but its statistics are
+    taken back. On the CPU each step runs when called, so none runs ahead."""
+    B = len(start)
+    single = B == 1  # one row: its position by value (no per-step position tensor to copy over)
+    ahead = _runs_ahead(logits.device)
+    feed = _TokenFeed(logits.device, B)
     out: list[list[int]] = [[] for _ in range(B)]
     kept: list[list[torch.Tensor]] = [[] for _ in range(B)]
     done = [False] * B
     clock = _StepClock()
-    for step in range(max(limits)):
-        nxt = greedy(logits)
+    pending, nxt = feed.pick(logits, keep_logits)  # token 0, from the prompt's logits
+    queued = None  # (the queued step's pick, the statistics before it)
+    total = max(limits)
+    for t in range(total):
+        if ahead and t > 0 and t + 1 < total:  # token 0 is read first, so the clock's first step is step 1 alone
+            mark = cache.stats.checkpoint()
+            queued = (feed.pick(step_fn(nxt.view(B, 1), _at(start, t, single)), keep_logits), mark)
+        tokens, logit_rows = feed.read(pending)
         clock.tick()
-        for b, t in enumerate(nxt.tolist()):
+        for b, tok in enumerate(tokens):
             if not done[b]:
-                out[b].append(t)
+                out[b].append(tok)
                 if keep_logits:
-                    kept[b].append(logits[b].float().cpu())
-                done[b] = t in eos or len(out[b]) == limits[b]
+                    kept[b].append(logit_rows[b])
+                done[b] = tok in eos or len(out[b]) == limits[b]
         if all(done):
+            if queued is not None:  # a step queued for a token nobody will read
+                cache.stats.restore(queued[1])
             break
-        logits = step_fn(nxt.view(B, 1), [a + step for a in n])
-    stats, timing = cache.stats.summary(), clock.summary()
-    cache.release()
-    return [Generation(o, lm.tokenizer.decode(o, skip_special_tokens=True), a, dict(stats), k, dict(timing))
-            for o, a, k in zip(out, n, kept)]
+        if queued is None:
+            queued = (feed.pick(step_fn(nxt.view(B, 1), _at(start, t, single)), keep_logits), None)
+        (pending, nxt), queued = queued[0], None
+    if feed.cuda:  # nothing of this generation still runs once it returns (its cache and graphs are freed next)
+        torch.cuda.current_stream(logits.device).synchronize()
+    return out, kept, clock.summary()
+
+
+def _runs_ahead(device: torch.device) -> bool:
+    """Whether the decode loop queues a step before it reads the token before it: where steps run asynchronously."""
+    return device.type == "cuda"
+
+
+def _at(start: list[int], t: int, single: bool) -> int | list[int]:
+    """The position at which token t is fed: one int for a single row, else one per row."""
+    return start[0] + t if single else [a + t for a in start]
+
+
+class _TokenFeed:
+    """The greedy pick of each step, on the device, and its copy to the host. On a GPU the copy goes to one of two
+    pinned buffers behind the step's work and an event marks it, so reading token t waits for that token alone
+    (the step after it may already be queued); the pick itself stays on the device as the next step's input."""
+
+    def __init__(self, device: torch.device, batch: int):
+        self.cuda = device.type == "cuda"
+        self.buffers = [torch.empty(batch, dtype=torch.long, pin_memory=True) for _ in range(2)] if self.cuda else []
+        self.turn = 0
+
+    def pick(self, logits: torch.Tensor, keep_logits: bool):
+        """((the handle `read` takes, the tokens [B] on the device)) for logits [B, vocab]: a step's output buffer,
+        which the next step overwrites, so kept logits are copied now."""
+        nxt = greedy(logits)
+        rows = logits.to(torch.float32, copy=True) if keep_logits else None
+        if not self.cuda:
+            return (nxt, None, rows), nxt
+        buf = self.buffers[self.turn]
+        self.turn ^= 1
+        buf.copy_(nxt, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return (buf, event, rows), nxt
+
+    @staticmethod
+    def read(handle) -> tuple[list[int], list[torch.Tensor] | None]:
+        tokens, event, rows = handle
+        if event is not None:
+            event.synchronize()
+        return tokens.tolist(), (list(rows.cpu()) if rows is not None else None)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
