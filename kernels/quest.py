@@ -1,15 +1,18 @@
 """Quest page scores in Triton (Tang et al., ICML 2024, Algorithm 1, "when perform self-attention").
 
 page_scores  U[p] = Σ_i max(q_i·m_i, q_i·M_i) of every page p against its key-wise max M and min m, stored side by
-             side as one [max | min] row of 2D values per page. One program per (batch row, KV head, block of pages)
-             reads its pages' rows once (bounds are 2·D values per page, so at page size 16 this is 1/8 of the
-             keys) and loops over the query heads of the GQA group, which either each write their row or are
-             reduced by max in registers (pooling "group": one row per KV head, no second pass).
+             side as one [max | min] row of 2D values per page. Per channel the larger product is q_i·M_i where
+             q_i > 0 and q_i·m_i where not, so U[p] = M·max(q, 0) + m·min(q, 0): two products of a tile of pages
+             with the GQA group's queries as columns, on the MMA units (exact products of the stored values, fp32
+             sums). Programs, a few per SM, loop over tiles of pages of one (batch row, KV head), several tiles in
+             flight, and read each page's row once (bounds are 2·D values per page, so at page size 16 this is 1/8
+             of the keys); the group's heads either each write their row or are reduced by max in registers
+             (pooling "group": one row per KV head, no second pass).
 
 Why a kernel: cuBLAS takes the [G, 2D] x [2D, pages] product of a decode step (G = 4 query rows per KV head) as a
 tall-skinny GEMM and ran it at ~80 µs for 8 KV heads x 8192 pages (llama3-8b, 131072 tokens, H100, bf16), ~7x the
-33.5 MB read's bandwidth floor; reading the tile once and doing the O(G·D) work per page in registers is
-bandwidth-bound. fp32 maths whatever the storage dtype.
+33.5 MB read's bandwidth floor. Here it takes 10.8 µs on an H200 (3.1 TB/s), where the same kernel with the
+products and maxima written out per head took 14.4 (benchmarks/BENCHMARKS.md, "Quest's page scores").
 
 page_blocks  the top-k's picks as the pages a step attends, with each row's newest page, in one launch.
 append_one   a decode step's new key folded into its page's bounds, in one launch.
@@ -26,16 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import max_shared_mem, num_sms
 from .reference import PageRegion
 from .region import window_first
 
 
 @triton.jit
-def _choosable(LENS, stride_l, b, page, span, sink, window, S, SKIP_LAST: tl.constexpr):
-    """Which absolute pages overlap batch row b's region [start + sink, length - window) (and are not its newest
-    page with SKIP_LAST), its length read on the device (PageRegion)."""
-    L = tl.load(LENS + b * stride_l).to(tl.int32)
-    first = window_first(L, span) + sink
+def _choosable(L, page, first, window, S, SKIP_LAST: tl.constexpr):
+    """Which absolute pages overlap a row's region [first, L - window) (first: its window's first key + sink) and are
+    not its newest page with SKIP_LAST (PageRegion)."""
     ok = ((page + 1) * S > first) & (page * S < L - window)
     if SKIP_LAST:
         ok = ok & (page != (L - 1) // S)
@@ -48,43 +50,60 @@ def _page_scores_kernel(Q, BND, OUT, n_pages, Hkv,
                         LENS, stride_l, span, sink, window, S, p_lo,
                         D: tl.constexpr, G: tl.constexpr, POOL_MAX: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, REGION: tl.constexpr,
-                        SKIP_LAST: tl.constexpr):
-    pid_p = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hkv
-    kv = bh % Hkv
-    pages = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = pages < n_pages
-    if REGION:  # pages this row may not choose score -inf
-        inside = _choosable(LENS, stride_l, b, p_lo + pages, span, sink, window, S, SKIP_LAST)
+                        SKIP_LAST: tl.constexpr, STAGES: tl.constexpr, BLOCK_G: tl.constexpr,
+                        F32: tl.constexpr):
+    """The pages of one (batch row, KV head) split over the grid's first axis: each program reads every
+    num_programs(0)-th tile of BLOCK_P pages, STAGES tiles in flight."""
+    b = tl.program_id(1) // Hkv
+    kv = tl.program_id(1) % Hkv
+    if REGION:  # pages this row may not choose score -inf; its length read on the device
+        L = tl.load(LENS + b * stride_l).to(tl.int32)
+        first = window_first(L, span) + sink
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    row = BND + b * stride_bb + kv * stride_bh + pages[:, None] * stride_bp + d[None, :]
-    m_ok = p_ok[:, None] & d_ok[None, :]
-    hi = tl.load(row, mask=m_ok, other=0.0).to(tl.float32)  # M: padding dims read 0 and add 0
-    lo = tl.load(row + D, mask=m_ok, other=0.0).to(tl.float32)  # m
-    best = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        q = tl.load(Q + b * stride_qb + (kv * G + g) * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
-        u = tl.sum(tl.maximum(q[None, :] * hi, q[None, :] * lo), axis=1)
+    base = BND + b * stride_bb + kv * stride_bh
+    # U = Σ_i max(q_i m_i, q_i M_i) = M · max(q, 0) + m · min(q, 0): two products with the group's queries as the
+    # columns of [BLOCK_D, BLOCK_G] operands, so every head of the group scores a tile in one pass of the MMA units
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < G
+    qt = tl.load(Q + b * stride_qb + (kv * G + g)[None, :] * stride_qh + d[:, None],
+                 mask=d_ok[:, None] & g_ok[None, :], other=0.0)
+    # fp32 bounds, or a query of another dtype than the bounds: fp32 operands; else the bounds' (q exact in them)
+    op_dtype = tl.float32 if F32 else BND.dtype.element_ty
+    q_pos = tl.maximum(qt.to(tl.float32), 0.0).to(op_dtype)
+    q_neg = tl.minimum(qt.to(tl.float32), 0.0).to(op_dtype)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(n_pages, BLOCK_P), tl.num_programs(0), num_stages=STAGES):
+        pages = tile * BLOCK_P + tl.arange(0, BLOCK_P)
+        p_ok = pages < n_pages
+        row = base + pages[:, None] * stride_bp + d[None, :]
+        m_ok = p_ok[:, None] & d_ok[None, :]
+        hi = tl.load(row, mask=m_ok, other=0.0)  # M: padding dims read 0 and add 0
+        lo = tl.load(row + D, mask=m_ok, other=0.0)  # m
+        if F32:
+            hi = hi.to(tl.float32)
+            lo = lo.to(tl.float32)
+        u = tl.dot(hi, q_pos, input_precision="ieee") + tl.dot(lo, q_neg, input_precision="ieee")  # [P, G] fp32
         if REGION:
-            u = tl.where(inside, u, float("-inf"))
+            inside = _choosable(L, p_lo + pages, first, window, S, SKIP_LAST)
+            u = tl.where(inside[:, None], u, float("-inf"))
         if POOL_MAX:
-            best = tl.maximum(best, u)
+            best = tl.max(tl.where(g_ok[None, :], u, float("-inf")), axis=1)
+            tl.store(OUT + b * stride_ob + kv * stride_oh + pages, best, mask=p_ok)
         else:
-            tl.store(OUT + b * stride_ob + (kv * G + g) * stride_oh + pages, u, mask=p_ok)
-    if POOL_MAX:
-        tl.store(OUT + b * stride_ob + kv * stride_oh + pages, best, mask=p_ok)
+            tl.store(OUT + b * stride_ob + (kv * G + g)[None, :] * stride_oh + pages[:, None], u,
+                     mask=p_ok[:, None] & g_ok[None, :])
 
 
 def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str | None = "max", *,
-                region: PageRegion | None = None, block_p: int | None = None, num_warps: int = 8) -> torch.Tensor:
+                region: PageRegion | None = None, block_p: int | None = None, num_warps: int = 4,
+                num_stages: int | None = None, waves: int = 2) -> torch.Tensor:
     """Upper bounds fp32 [B, Hkv, n_pages] (pool "max" over each KV head's query group) or [B, Hq, n_pages] (None).
 
     q: [B, Hq, D] or [B, Hq, 1, D]; bounds: [B, Hkv, >= n_pages, 2D] with each page's max then min (a slice of the
     cache state is fine, e.g. bounds[:, :, first_page:]); query head h reads KV head h // (Hq // Hkv).
     region: pages outside it score -inf (read from device lengths: no mask tensor). Same contract as
-    quest_region_scores_reference.
+    quest_region_scores_reference. Tuning: tiles of `block_p` pages, `num_stages` of them in flight, `waves`
+    programs per SM looping over them.
     """
     if q.dim() == 4:
         if q.shape[2] != 1:
@@ -109,19 +128,30 @@ def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str |
         q = q.contiguous()
     if bounds.stride(-1) != 1:
         bounds = bounds.contiguous()
-    BLOCK_D = triton.next_power_of_2(D)
-    # two [BLOCK_P, BLOCK_D] fp32 tiles in registers; with 8 warps they were read closest to copy bandwidth in an
-    # H100 sweep of block_p and warps (llama3-8b, 8192 pages)
-    BLOCK_P = block_p or max(16, 4096 // BLOCK_D)
-    grid = (triton.cdiv(n_pages, BLOCK_P), B * Hkv)
-    _page_scores_kernel[grid](
+    BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot's least inner size; padding dims read 0
+    BLOCK_P = block_p or max(16, 8192 // BLOCK_D)
+    stages = num_stages or _stages(q.device, BLOCK_P * BLOCK_D * 2 * bounds.element_size(),
+                                   bounds.element_size())
+    tiles = triton.cdiv(n_pages, BLOCK_P)
+    sms = num_sms(q.device) if q.device.type == "cuda" else 4  # the interpreter: a few programs loop over many tiles
+    per_row = max(1, min(tiles, waves * sms // (B * Hkv)))
+    _page_scores_kernel[(per_row, B * Hkv)](
         q, bounds, out, n_pages, Hkv,
         q.stride(0), q.stride(1), bounds.stride(0), bounds.stride(1), bounds.stride(2), out.stride(0), out.stride(1),
         *_region_args(region, B, q.device),
         D=D, G=G, POOL_MAX=pool == "max", BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, REGION=region is not None,
-        SKIP_LAST=region is not None and region.skip_last, num_warps=num_warps,
+        SKIP_LAST=region is not None and region.skip_last, STAGES=stages, BLOCK_G=max(16, triton.next_power_of_2(G)),
+        F32=bounds.dtype == torch.float32 or q.dtype != bounds.dtype, num_warps=num_warps,
     )
     return out
+
+
+def _stages(device: torch.device, tile_bytes: int, element_size: int) -> int:
+    """Page tiles in flight: 3 for 16-bit bounds (what was measured) where shared memory holds three stages of a
+    tile's max and min rows with room to spare (64 pages at d 128: 96 KB, on an H100, H200 or A100), else 1."""
+    if device.type != "cuda" or element_size != 2:
+        return 1
+    return 3 if max_shared_mem(device) >= 3 * tile_bytes + 32768 else 1
 
 
 def _region_args(region: PageRegion | None, batch: int, device: torch.device) -> tuple:

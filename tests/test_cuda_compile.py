@@ -19,6 +19,7 @@ from sparsekv.kernels.codes import code_topk
 from sparsekv.kernels.count_select import smallest_k
 from sparsekv.kernels.gemv import linear
 from sparsekv.kernels.hash_mlp import mlp_hash_pack
+from sparsekv.kernels.quest import page_scores
 from sparsekv.methods import get_method
 from sparsekv.methods.spotlight import untrained_hashes
 from sparsekv.saap.model import random_index
@@ -35,7 +36,7 @@ METHODS = [("dense", {}), ("oracle", {"budget": 24}), ("streaming", {"budget": 1
 
 # kernels a GPU decode step of these methods launches; the test fails if the workload stops reaching one
 EXPECTED = {"_code_distance_kernel", "_force_head_top_kernel", "_base_kernel", "_window_kernel", "_emit_kernel",
-            "_row_kernel", "_prefill_kernel", "_gemv_kernel", "_partial_kernel", "_merge_kernel"}
+            "_row_kernel", "_prefill_kernel", "_gemv_kernel", "_partial_kernel", "_merge_kernel", "_page_scores_kernel"}
 
 
 def gpu_paths(spec: dict):
@@ -79,6 +80,12 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
         for pool in (None, "sum"):
             code_topk(qw, kw, 300, 128, 40, 2, pool=pool, ties="high", _chunk=128)
         code_topk(qw, kw, 300, 128, 40, 2, pool="sum", head_top=2, _chunk=128)  # Adamas --head-top
+        # Quest's page scores in a bf16 model (its operands in bf16, the tiny model's in fp32), pooled and per head,
+        # at d 128 and at a head dim below tl.dot's least inner size
+        for d in (128, 2):
+            q, bounds = torch.randn(1, 4, d).bfloat16(), torch.randn(1, 2, 40, 2 * d).bfloat16()
+            page_scores(q, bounds, 40, "max")
+            page_scores(q, bounds, 40, None)
         # the linear layers of a bf16/fp16 model's decode step
         linear(torch.randn(2, 64).half(), torch.randn(48, 64).half(), torch.randn(48).half())
         # a decode step's query hash on a GPU: the hidden units split over programs (too few rows to fill it)
