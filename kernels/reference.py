@@ -74,17 +74,20 @@ class RowBounds:
 
 
 def block_positions_reference(blocks: torch.Tensor, block_size: int, lengths: int | torch.Tensor, span: int = 0,
-                              sink: int = 0, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                              sink: int = 0, window: int = 0, count: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks [B, H, nb] (block b covers positions [b·block_size, (b+1)·block_size), -1 = none) as padded token
     positions [B, H, nb·block_size], -1 outside each row's sparse region [start + sink, length - window) (`lengths`
     an int or per row [B]; start the sliding window's first key, 0 when span is 0): what the step reads of them;
-    and how many that is per (row, head) on average, fp32 0-dim (the step's statistics)."""
+    and how many that is per (row, head) on average, fp32 0-dim (the step's statistics), or with `count` (0-dim)
+    that mean added into it, which is returned (a running sum over steps)."""
     offs = torch.arange(block_size, device=blocks.device)
     pos = blocks.long().unsqueeze(-1) * block_size + offs
     L = torch.as_tensor(lengths, device=blocks.device).long().reshape(-1, 1, 1, 1)
     lo = window_start(L, span) + sink
     pos = torch.where((blocks.unsqueeze(-1) >= 0) & (pos >= lo) & (pos < L - window), pos, -1).flatten(-2)
-    return pos, pos.ge(0).sum(-1).float().mean()
+    mean = pos.ge(0).sum(-1).float().mean()
+    return pos, mean if count is None else count.add_(mean)
 
 
 def check_positions(pos: torch.Tensor) -> None:

@@ -309,18 +309,26 @@ def _block_positions_kernel(BLK, OUT, COUNT, LENS, stride_l, length, H, nb, span
     pos = blk * S + t % S
     keep = (blk >= 0) & (pos >= lo) & (pos < L - window)
     tl.store(OUT + b * stride_ob + h * stride_oh + t, tl.where(keep, pos, -1), mask=ok)
-    # the mean count per (row, head): exact in fp32 whatever the order of the adds while B·H is a power of two
-    tl.atomic_add(COUNT, tl.sum((keep & ok).to(tl.float32), 0) * per_head, sem="relaxed")
+    # the mean count per (row, head): exact whatever the order of the adds while B·H is a power of two (and, added
+    # into a running sum, while that fits its type's mantissa: fp64 for a decode loop's)
+    part = tl.sum((keep & ok).to(tl.float32), 0) * per_head
+    tl.atomic_add(COUNT, part.to(COUNT.dtype.element_ty), sem="relaxed")
 
 
 def block_positions(blocks: torch.Tensor, block_size: int, lengths: int | torch.Tensor, span: int = 0,
-                    sink: int = 0, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    sink: int = 0, window: int = 0, count: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks [B, H, nb] as padded token positions [B, H, nb·block_size], clipped to each row's sparse region
     (lengths: an int, or per row [B] on the device), and their mean count per (row, head), in one launch (and the
-    count's zeroing). Same contract as block_positions_reference."""
+    count's zeroing), or with `count` (a 0-dim fp32/fp64 tensor on the device: a running sum) added into it in the
+    same launch. Same contract as block_positions_reference."""
     B, H, nb = blocks.shape
     out = torch.empty(B, H, nb * block_size, dtype=torch.int64, device=blocks.device)
-    count = torch.zeros((), dtype=torch.float32, device=blocks.device)
+    if count is None:
+        count = torch.zeros((), dtype=torch.float32, device=blocks.device)
+    elif count.dim() != 0 or count.device != blocks.device or count.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"count must be a 0-dim fp32/fp64 tensor on {blocks.device}, got {count.dtype} "
+                         f"{tuple(count.shape)} on {count.device}")
     if out.numel() == 0:
         return out, count
     rows = isinstance(lengths, torch.Tensor)

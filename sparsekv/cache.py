@@ -67,15 +67,13 @@ class DecodeStats:
         if sel.dense:
             entry = StepEntry(sel.span, True, 0, 0, 0)
         else:
-            on_device = sel.device_count()
             count = 0
-            if on_device is None:
-                count = sel.selected_count()
+            if sel.counts_on_device():
+                if self.on_device is None:  # fp64: exact sums of the counts (multiples of 1 / (rows x heads))
+                    self.on_device = torch.zeros((), dtype=torch.float64, device=sel.device)
+                sel.add_count(self.on_device)
             else:
-                total, scale = on_device
-                if self.on_device is None:
-                    self.on_device = torch.zeros((), dtype=torch.float32, device=total.device)
-                self.on_device.add_(total, alpha=scale)
+                count = sel.selected_count()
             entry = StepEntry(sel.span, False, count, sel.sink, sel.window)
         if self.captured is not None:
             self.captured.append(entry)

@@ -67,14 +67,16 @@ def sparse_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sel
 
 
 def block_positions(blocks: torch.Tensor, block_size: int, lengths: int | torch.Tensor, span: int = 0,
-                    sink: int = 0, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    sink: int = 0, window: int = 0, count: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks [B, H, nb] as the padded token positions a step reads of them (-1 outside each row's sparse region),
-    and their mean count per (row, head) (fp32, 0-dim, on the device)."""
+    and their mean count per (row, head) (fp32, 0-dim, on the device), or with `count` (0-dim) that count added into
+    it, which is returned."""
     if use_kernels(blocks.device):
         from sparsekv.kernels.sparse_decode import block_positions as kernel
 
-        return kernel(blocks, block_size, lengths, span, sink, window)
-    return ref.block_positions_reference(blocks, block_size, lengths, span, sink, window)
+        return kernel(blocks, block_size, lengths, span, sink, window, count=count)
+    return ref.block_positions_reference(blocks, block_size, lengths, span, sink, window, count=count)
 
 
 def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: int | torch.Tensor,

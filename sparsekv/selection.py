@@ -95,8 +95,29 @@ class Selection:
             return self.count, 1.0 / (self.indices.shape[0] * self.indices.shape[1])  # it comes with indices
         if self.blocks is not None and self.indices is None:
             self.sparse_positions()  # counted where the positions are made
-            return self._count, 1.0
+            if self._count is not None:
+                return self._count, 1.0
         return self.sparse_positions().ge(0).sum(-1).float().mean(), 1.0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the sparse part lives."""
+        return next(t for t in (self.indices, self.blocks, self.buckets) if t is not None).device
+
+    def counts_on_device(self) -> bool:
+        """Whether n_selected is known only on the device (`device_count`, `add_count`)."""
+        return not (self.dense or not self.has_sparse or (self.indices is not None and not self.padded))
+
+    def add_count(self, total: torch.Tensor) -> None:
+        """Add n_selected into `total` (0-dim, on the device; a decode loop's running sum) without a host sync.
+        Blocks not yet expanded count themselves into it in the launch that expands them (`block_positions`):
+        no scratch count to zero and no add after it, two launches a layer fewer. Else one add."""
+        if self.blocks is not None and self.indices is None and self._positions is None:
+            self._positions, _ = ops.block_positions(self.blocks, self.block_size, self._lengths(), self.span,
+                                                     self.sink, self.window, count=total)
+            return
+        count, scale = self.device_count()
+        total.add_(count, alpha=scale)
 
     @property
     def has_sparse(self) -> bool:
@@ -136,14 +157,17 @@ class Selection:
         dev = next((t.device for t in (self.indices, self.blocks, self.buckets) if t is not None), None)
         check_positions(self.positions(batch, heads, lengths, device=dev))
 
+    def _lengths(self) -> int | torch.Tensor:
+        """Each row's valid keys on the device where given, else the host length."""
+        return self.lengths if self.lengths is not None else self.length
+
     def sparse_positions(self) -> torch.Tensor:
         """The sparse part as padded token positions [B, H, n] (-1 = none), whatever its form."""
         if self.indices is not None:
             return self.indices
         if self.blocks is not None:  # clipped to each row's sparse region (device lengths when given)
             if self._positions is None:  # made once: the attention and the step's statistics both read them
-                lengths = self.lengths if self.lengths is not None else self.length
-                self._positions, self._count = ops.block_positions(self.blocks, self.block_size, lengths,
+                self._positions, self._count = ops.block_positions(self.blocks, self.block_size, self._lengths(),
                                                                    self.span, self.sink, self.window)
             return self._positions
         if self.buckets is not None:

@@ -453,3 +453,23 @@ def test_a_method_option_error_names_the_flag(name, opts, flag):
     with pytest.raises(SparseKVError) as e:
         get_method(name, budget=64, **opts)
     assert str(e.value).endswith(flag), str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny model's CPU tensors need TRITON_INTERPRET")
+def test_quest_statistics_are_counted_in_the_block_expansion(tiny, prompt_ids, monkeypatch):
+    """A graph-shaped step ("static": padded blocks, device lengths) counts Quest's selected keys on the device, in
+    the launch that expands its pages (`Selection.add_count`): the statistics equal the torch references'. (The
+    count's launch on a GPU: test_sparse_decode_kernel's block-position test.)"""
+    import functools
+
+    import sparsekv.decode as decode
+    from sparsekv.step import make_step
+
+    monkeypatch.setattr(decode, "make_step", functools.partial(make_step, mode="static"))
+    runs = []
+    for kernels in (False, True):
+        with ops.kernels(kernels):
+            runs.append(generate(tiny, prompt_ids, get_method("quest", budget=64, page_size=8), 5, stop_on_eos=False))
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].stats == runs[1].stats and 0 < runs[0].stats["selectivity"] < 1
+    assert runs[0].stats["mean_selected"] > 0

@@ -358,6 +358,16 @@ def test_block_positions_match_reference(span, sink, window):
         want, want_count = block_positions_reference(blocks, 8, lengths, span, sink, window)
         assert got.shape == (3, 2, 40) and torch.equal(got, want) and (got == -1).any() and (got >= 0).any()
         torch.testing.assert_close(count, want_count)  # 6 (row, head) pairs: fp32 sums of sixths
+        for dtype in (torch.float32, torch.float64):  # a running sum (a decode loop's), counted into in place
+            total = torch.full((), 1000.5, dtype=dtype, device=DEV)
+            got, into = block_positions(blocks, 8, lengths, span, sink, window, count=total)
+            assert into is total and torch.equal(got, want)
+            torch.testing.assert_close(total, torch.tensor(1000.5, dtype=dtype, device=DEV) + want_count.to(dtype))
+            want_total = torch.full((), 1000.5, dtype=dtype, device=DEV)
+            assert block_positions_reference(blocks, 8, lengths, span, sink, window, count=want_total)[1] is want_total
+            torch.testing.assert_close(want_total, total)
+    with pytest.raises(ValueError, match="count must be a 0-dim"):
+        block_positions(blocks, 8, 90, count=torch.zeros(2, device=DEV))
 
 
 @pytest.mark.parametrize("smem,element_size,D,want", [
