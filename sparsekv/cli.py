@@ -119,8 +119,8 @@ def _load(model: str, device: str, dtype: str):
         return load_model(model, device=dev, dtype=_dtype(dtype, dev))
 
 
-def _csv(text: str, kind=str, what: str = "value") -> list:
-    return validate.csv(text, kind, f"--{what}")
+def _csv(text: str, kind=str, what: str = "value", required: bool = False) -> list:
+    return validate.csv(text, kind, f"--{what}", required=required)
 
 
 class _LoggedProgress(Progress):
@@ -616,7 +616,7 @@ def train_hash(
     acts: ActsOpt,
     out: Annotated[Path, typer.Option(
         callback=_OUT, help="artifact root; the artifact goes to OUT/<model>/spotlight/vN")] = Path("artifacts"),
-    layers: Annotated[str, typer.Option(help="layers to train, comma-separated (default: all)")] = "",
+    layers: Annotated[Optional[str], typer.Option(help="layers to train, comma-separated (default: all)")] = None,
     bits: Annotated[int, typer.Option(help="hash bits per key and query (the paper: 128)")] = 128,
     hidden: Annotated[int, typer.Option(help="the MLP's intermediate size (the paper: 128)")] = 128,
     iters: Annotated[int, typer.Option(help="training iterations, one dumped sequence each (the paper: 8192)")] = 8192,
@@ -659,7 +659,7 @@ def train_hash(
     from .train_hash import check_options, fit_hashes
 
     dev = validate.device(device)
-    options = dict(layers=_csv(layers, int, "layers") or None, nbits=bits, hidden=hidden, iters=iters,
+    options = dict(layers=None if layers is None else _csv(layers, int, "layers", required=True), nbits=bits, hidden=hidden, iters=iters,
                    keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr, queries_per_step=queries_per_step,
                    negatives=negatives, pooling=pooling, holdout=holdout, heldout_queries=heldout_queries,
                    eval_every=eval_every, patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every,
@@ -688,7 +688,7 @@ def index(
     out: Annotated[Path, typer.Option(
         callback=_OUT, help="artifact root; the artifact goes to OUT/<model>/saap/vN")] = Path("artifacts"),
     method: Annotated[str, typer.Option(help="saap")] = "saap",
-    layers: Annotated[str, typer.Option(help="layers to index, comma-separated (default: all)")] = "",
+    layers: Annotated[Optional[str], typer.Option(help="layers to index, comma-separated (default: all)")] = None,
     clusters: Annotated[int, typer.Option(help="buckets per layer and KV head (the paper: 1024); capped at the "
                                           "training keys / 39, with a note")] = 1024,
     kmeans_iters: Annotated[int, typer.Option(help="k-means iterations (the paper: 10)")] = 10,
@@ -736,7 +736,7 @@ def index(
     if method != "saap":
         raise SparseKVError(f"index supports: saap (got {method!r})")
     dev = validate.device(device)
-    options = dict(layers=_csv(layers, int, "layers") or None, clusters=clusters, kmeans_iters=kmeans_iters,
+    options = dict(layers=None if layers is None else _csv(layers, int, "layers", required=True), clusters=clusters, kmeans_iters=kmeans_iters,
                    space=space, query_model=query_model, hidden=hidden, iters=iters, lr=lr,
                    queries_per_step=queries_per_step, gap=gap, min_range=min_range, causal=causal, sink=sink,
                    probes=probes, holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every,

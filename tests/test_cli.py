@@ -150,6 +150,9 @@ OTHER = "name other-model != tiny-random(seed=0), num_layers 3 != 2, head_dim 16
     (["index", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--gap", "300"], "hold no pair that far apart"),
     (["train-hash", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--layers", "2"],
      "--layers 2: the dump has layers 0..1"),
+    (["index", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--layers", ""], "--layers: give at least one value"),
+    (["train-hash", "--acts", "{fx}/corrupt", "--out", "{tmp}/a", "--layers", " "],
+     "--layers: give at least one value"),
     (["index", "--acts", "{fx}/dump", "--out", "{tmp}/a", "--method", "ivf"], "index supports: saap"),
     # dump of eval prompts: options of the other kind, a task it cannot dump, a misspelt subtask
     (["dump", *TINY, "--task", "ruler", "--text-file", "{fx}/t.txt", "--out", "{tmp}/d"],
