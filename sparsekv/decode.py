@@ -250,8 +250,8 @@ class _TokenFeed:
         self.turn = 0
 
     def pick(self, logits: torch.Tensor, keep_logits: bool):
-        """((the handle `read` takes, the tokens [B] on the device)) for logits [B, vocab]: a step's output buffer,
-        which the next step overwrites, so kept logits are copied now."""
+        """(the handle `read` takes, the tokens [B] on the device) of logits [B, vocab]. The logits may be a step's
+        output buffer, which the next step overwrites, so kept logits are copied now."""
         nxt = greedy(logits)
         rows = logits.to(torch.float32, copy=True) if keep_logits else None
         if not self.cuda:

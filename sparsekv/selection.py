@@ -100,9 +100,9 @@ class Selection:
         return self.sparse_positions().ge(0).sum(-1).float().mean(), 1.0
 
     @property
-    def device(self) -> torch.device:
-        """Where the sparse part lives."""
-        return next(t for t in (self.indices, self.blocks, self.buckets) if t is not None).device
+    def device(self) -> torch.device | None:
+        """Where the sparse part lives (None without one)."""
+        return next((t.device for t in (self.indices, self.blocks, self.buckets) if t is not None), None)
 
     def counts_on_device(self) -> bool:
         """Whether n_selected is known only on the device (`device_count`, `add_count`)."""
@@ -154,8 +154,7 @@ class Selection:
 
     def check(self, batch: int, heads: int, lengths: torch.Tensor | None = None) -> None:
         """Reject duplicate positions (a key attended twice): a sort and a host sync, for tests and debugging."""
-        dev = next((t.device for t in (self.indices, self.blocks, self.buckets) if t is not None), None)
-        check_positions(self.positions(batch, heads, lengths, device=dev))
+        check_positions(self.positions(batch, heads, lengths, device=self.device))
 
     def _lengths(self) -> int | torch.Tensor:
         """Each row's valid keys on the device where given, else the host length."""
