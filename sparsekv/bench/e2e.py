@@ -32,7 +32,8 @@ SCHEMA = 2
 PROTOCOL = ("end-to-end greedy decoding: one dense prefill of a random prompt per context length (timed), then per "
             "method and batch size (the prompt in every row) a warm-up generation (kernel compiles) and a timed one "
             "of new_tokens tokens from the same prefill; ms/token is the steady decode steps' wall time (each ends "
-            "when its tokens reach the host), after the generation's first step, which captures its CUDA graph "
+            "when its tokens reach the host; on a GPU the next step is queued before they are read), after the "
+            "generation's first step, which captures its CUDA graph "
             "(first_step_s; generate_s is the whole call, loading the prefill included); tokens/s counts every "
             "row. Query-aware selection at every step. floor = (weights + the K/V dense reads of every row per "
             "step) / measured copy bandwidth.")
