@@ -123,6 +123,11 @@ def _csv(text: str, kind=str, what: str = "value", required: bool = False) -> li
     return validate.csv(text, kind, f"--{what}", required=required)
 
 
+def _layers(text: str | None) -> list[int] | None:
+    """--layers of an offline stage: None (left out) for all, else at least one layer number."""
+    return None if text is None else _csv(text, int, "layers", required=True)
+
+
 class _LoggedProgress(Progress):
     """A rich Progress that, when the console is not a terminal (a batch job's log), also prints a plain line per
     task at most every `every` seconds: a live bar draws nothing there until the end, so a job that is killed
@@ -659,7 +664,7 @@ def train_hash(
     from .train_hash import check_options, fit_hashes
 
     dev = validate.device(device)
-    options = dict(layers=None if layers is None else _csv(layers, int, "layers", required=True), nbits=bits, hidden=hidden, iters=iters,
+    options = dict(layers=_layers(layers), nbits=bits, hidden=hidden, iters=iters,
                    keep=1 - pruning, gamma=gamma, alpha=alpha, beta=beta, lr=lr, queries_per_step=queries_per_step,
                    negatives=negatives, pooling=pooling, holdout=holdout, heldout_queries=heldout_queries,
                    eval_every=eval_every, patience=patience, min_delta=min_delta, checkpoint_every=checkpoint_every,
@@ -736,7 +741,7 @@ def index(
     if method != "saap":
         raise SparseKVError(f"index supports: saap (got {method!r})")
     dev = validate.device(device)
-    options = dict(layers=None if layers is None else _csv(layers, int, "layers", required=True), clusters=clusters, kmeans_iters=kmeans_iters,
+    options = dict(layers=_layers(layers), clusters=clusters, kmeans_iters=kmeans_iters,
                    space=space, query_model=query_model, hidden=hidden, iters=iters, lr=lr,
                    queries_per_step=queries_per_step, gap=gap, min_range=min_range, causal=causal, sink=sink,
                    probes=probes, holdout=holdout, heldout_queries=heldout_queries, eval_every=eval_every,

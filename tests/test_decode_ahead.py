@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sparsekv.decode as decode
-from sparsekv.decode import generate, generate_batch, prefill
+from sparsekv.decode import generate, generate_batch
 from sparsekv.methods import get_method
 
 METHODS = [("quest", {"budget": 64}), ("streaming", {"budget": 60}), ("lsh", {"budget": 64}), ("dense", {})]

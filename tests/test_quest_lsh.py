@@ -3,14 +3,18 @@ hand-built selections, the dense part is never re-read, budget >= context is den
 scores, the 1-bit Hamming path of the Adamas kernels) match the torch paths (TRITON_INTERPRET=1 on the CPU, or the
 GPU), and both run through the real runtime and the bench."""
 
+import functools
+
 import pytest
 import torch
 
+import sparsekv.decode as decode
 from sparsekv import ops
 from sparsekv.decode import generate
 from sparsekv.errors import SparseKVError
 from sparsekv.methods import CacheShape, MethodOptions, get_method
 from sparsekv.kernels.reference import quantize_pack_reference
+from sparsekv.step import make_step
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel path: the GPU, else the interpreter
 
@@ -460,11 +464,6 @@ def test_quest_statistics_are_counted_in_the_block_expansion(tiny, prompt_ids, m
     """A graph-shaped step ("static": padded blocks, device lengths) counts Quest's selected keys on the device, in
     the launch that expands its pages (`Selection.add_count`): the statistics equal the torch references'. (The
     count's launch on a GPU: test_sparse_decode_kernel's block-position test.)"""
-    import functools
-
-    import sparsekv.decode as decode
-    from sparsekv.step import make_step
-
     monkeypatch.setattr(decode, "make_step", functools.partial(make_step, mode="static"))
     runs = []
     for kernels in (False, True):
