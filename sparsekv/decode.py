@@ -203,12 +203,14 @@ def _greedy_loop(step_fn, cache: SparseCache, logits: torch.Tensor, start: list[
     done = [False] * B
     clock = _StepClock()
     pending, nxt = feed.pick(logits, keep_logits)  # token 0, from the prompt's logits
-    queued = None  # (the queued step's pick, the statistics before it)
     total = max(limits)
     for t in range(total):
-        if ahead and t > 0 and t + 1 < total:  # token 0 is read first, so the clock's first step is step 1 alone
-            mark = cache.stats.checkpoint()
-            queued = (feed.pick(step_fn(nxt.view(B, 1), _at(start, t, single)), keep_logits), mark)
+        queued, mark = None, None  # the pick of the step queued ahead, the statistics before it
+        if ahead and 0 < t < total - 1:  # token 0 is read first, so the clock's first step is step 1 alone
+            # only an EOS can end the generation before that step's token is needed: then the totals before it
+            # are restored (the limits alone end it at t = total - 1, where no step is queued)
+            mark = cache.stats.checkpoint() if eos else None
+            queued = feed.pick(step_fn(nxt.view(B, 1), _at(start, t, single)), keep_logits)
         tokens, logit_rows = feed.read(pending)
         clock.tick()
         for b, tok in enumerate(tokens):
@@ -218,12 +220,12 @@ def _greedy_loop(step_fn, cache: SparseCache, logits: torch.Tensor, start: list[
                     kept[b].append(logit_rows[b])
                 done[b] = tok in eos or len(out[b]) == limits[b]
         if all(done):
-            if queued is not None:  # a step queued for a token nobody will read
-                cache.stats.restore(queued[1])
+            if mark is not None:  # a step queued for a token nobody will read
+                cache.stats.restore(mark)
             break
         if queued is None:
-            queued = (feed.pick(step_fn(nxt.view(B, 1), _at(start, t, single)), keep_logits), None)
-        (pending, nxt), queued = queued[0], None
+            queued = feed.pick(step_fn(nxt.view(B, 1), _at(start, t, single)), keep_logits)
+        pending, nxt = queued
     if feed.cuda:  # nothing of this generation still runs once it returns (its cache and graphs are freed next)
         torch.cuda.current_stream(logits.device).synchronize()
     return out, kept, clock.summary()
