@@ -55,6 +55,7 @@ import triton.language as tl
 from . import count_select
 from .hadamard import _prec, hadamard_signs
 from .reference import PendingCodes, RowBounds, _per_word, check_pending, hadamard_matrix
+from .device import dependent_launch, wait_for_prior
 from .region import in_sparse_region
 
 _POOLS = {None: 0, "sum": 1, "min": 2}
@@ -72,7 +73,9 @@ def _quantize_pack_kernel(X, S, TH, OUT, n, H, rep, start, START, scale,
                           D: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
                           PW2: tl.constexpr, T: tl.constexpr, TRANSFORM: tl.constexpr, PREC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_WC: tl.constexpr,
-                          N_WC: tl.constexpr, ROW_START: tl.constexpr = False, WITH_KEYS: tl.constexpr = False):
+                          N_WC: tl.constexpr, ROW_START: tl.constexpr = False, WITH_KEYS: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -227,7 +230,7 @@ def quantize_pack_into(x: torch.Tensor, thresholds: torch.Tensor, out_words: tor
         stride_th, *keys,
         D=D, W=W, BITS=bits, PW=PW, PW2=PW2, T=(1 << bits) - 1, TRANSFORM=transform, PREC=_prec(x.dtype),
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_WC=BLOCK_WC, N_WC=N_WC,
-        ROW_START=row_start, WITH_KEYS=append is not None, num_warps=num_warps,
+        ROW_START=row_start, WITH_KEYS=append is not None, num_warps=num_warps, **dependent_launch(x.device),
     )
 
 
@@ -447,12 +450,14 @@ def _force_head_top_kernel(CAND, QW, KW, DIST, n_blocks, length, Hkv,
                            BLOCK_C: tl.constexpr, M_P2: tl.constexpr, TIES_HIGH: tl.constexpr,
                            BOUNDS: tl.constexpr, FAST: tl.constexpr = False, BASE: tl.constexpr = False,
                            S: tl.constexpr = 1, SHIFT: tl.constexpr = 0, VMAX: tl.constexpr = 1,
-                           NB2: tl.constexpr = 32, FORCE_MISS: tl.constexpr = False, CARE: tl.constexpr = False):
+                           NB2: tl.constexpr = 32, FORCE_MISS: tl.constexpr = False, CARE: tl.constexpr = False,
+                           PDL: tl.constexpr = 0):
     """Programs [0, B * Hq) force each query head's nearest keys (_force_head_top); the last `base_rows` run the
     counting select's first step for their row (BASE; count_select._window_base, its arguments D .. STRIDE and the
     constexprs from S on): the two are independent, so one launch holds both and the select has one launch fewer.
     The sample the base step reads may or may not see the zeros written beside it: that moves the select's window,
     never what it selects."""
+    wait_for_prior(PDL)
     row = tl.program_id(0)
     n_force = tl.num_programs(0) - base_rows
     if row < n_force:
@@ -526,7 +531,8 @@ def _code_distance_kernel(QW, KW, OUT, length, Hkv,
                           BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, POPC: tl.constexpr,
                           BOUNDS: tl.constexpr = False, FILL: tl.constexpr = 0, DENSE_ROWS: tl.constexpr = False,
                           CAND=None, HEAD_TOP: tl.constexpr = 0, TIES_HIGH: tl.constexpr = False,
-                          GP: tl.constexpr = 1, CARE: tl.constexpr = False):
+                          GP: tl.constexpr = 1, CARE: tl.constexpr = False, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -689,7 +695,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
         POOL=_POOLS[pool], NEGATE=negate, BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, num_warps=num_warps,
         POPC=popc > 0, BOUNDS=bounds is not None, FILL=fill, DENSE_ROWS=kw.stride(2) == NW == BLOCK_W,
         CAND=cand, HEAD_TOP=head_top, TIES_HIGH=bool(head_top) and ties == "high", GP=triton.next_power_of_2(G),
-        CARE=care,
+        CARE=care, **dependent_launch(q_words.device),
     )
     if not head_top:
         return out, None
@@ -706,7 +712,7 @@ def _launch_distance(q_words, k_words, length, d, bits, metric, pool, out_dtype,
             G=G, M=head_top, NW=NW, LANE_BITS=qw.element_size() * 8, POPC=popc > 0, BYTE_SUM=byte_sum,
             BLOCK_L=BLOCK_L, BLOCK_W=BLOCK_W, BLOCK_C=min(triton.next_power_of_2(grid[0]), 2048),
             M_P2=triton.next_power_of_2(head_top), TIES_HIGH=ties == "high", BOUNDS=bounds is not None, FAST=fast,
-            CARE=care, **b_consts,
+            CARE=care, **b_consts, **dependent_launch(q_words.device),
             num_warps=8)  # reductions one after another: code_topk at M 4 took 27.3 µs with 8 warps, 29.0 with 4
             # (H200, 8 x 131072 keys, group of 4)
 
@@ -789,7 +795,8 @@ def code_topk(q_words: torch.Tensor, k_words: torch.Tensor, length: int, d: int,
 def _code_ip_kernel(Q, KW, C, OUT, length, Hkv,
                     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_cb, stride_ob, stride_oh,
                     G: tl.constexpr, GP: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr,
-                    D: tl.constexpr, BLOCK_L: tl.constexpr):
+                    D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     pid_l = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -878,6 +885,7 @@ def code_ip_scores(q: torch.Tensor, k_words: torch.Tensor, centers: torch.Tensor
         qf.stride(0), qf.stride(1), k_words.stride(0), k_words.stride(1), k_words.stride(2), c.stride(0),
         out.stride(0), out.stride(1),
         G=G, GP=triton.next_power_of_2(G), NW=W, BITS=bits, PW=pw, D=d, BLOCK_L=block_l, num_warps=num_warps,
+        **dependent_launch(q.device),
     )
     return out
 

@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import num_sms
+from .device import dependent_launch, num_sms, wait_for_prior
 from .reference import check_ties
 from .topk.launch import rows_and_out, scatter_offsets
 
@@ -278,13 +278,15 @@ def _emit_tiles(Dr, Or, N, NP, thr, need, skip, lt_run, eq_run, offset, p, VMAX:
 # the sample plan and the chunk count move with a row's length: not specialised (kernels/topk/fused.py, PLAN_SCALARS)
 @triton.jit(do_not_specialize=["ks", "below", "STRIDE"])
 def _base_kernel(D, GH, STATE, N, ks, below, stride_d, STRIDE, S: tl.constexpr, SHIFT: tl.constexpr,
-                 VMAX: tl.constexpr, NB2: tl.constexpr, FORCE_MISS: tl.constexpr):
+                 VMAX: tl.constexpr, NB2: tl.constexpr, FORCE_MISS: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     _window_base(D, GH, STATE, N, ks, below, stride_d, STRIDE, tl.program_id(0), S, SHIFT, VMAX, NB2, FORCE_MISS)
 
 
 @triton.jit(do_not_specialize=["P"])
 def _window_kernel(D, PH, GH, STATE, N, NP, stride_d, P, VMAX: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                   WIN: tl.constexpr):
+                   WIN: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     q = tl.program_id(0)
     r = q // P
     _window(D, PH, GH, STATE, N, NP, stride_d, r, q - r * P, P, VMAX, CHUNK, TILE, WIN)
@@ -293,7 +295,8 @@ def _window_kernel(D, PH, GH, STATE, N, NP, stride_d, P, VMAX: tl.constexpr, CHU
 @triton.jit(do_not_specialize=["P"])
 def _emit_kernel(D, PH, GH, STATE, OUT, N, NP, k, offset, stride_d, stride_o, P, high, SHIFT: tl.constexpr,
                  VMAX: tl.constexpr, NB2: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                 WIN: tl.constexpr):
+                 WIN: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     q = tl.program_id(0)
     r = q // P
     _emit(D, PH, GH, STATE, OUT, N, NP, k, offset, stride_d, stride_o, r, q - r * P, P, high, SHIFT, VMAX, NB2, PP,
@@ -302,13 +305,14 @@ def _emit_kernel(D, PH, GH, STATE, OUT, N, NP, k, offset, stride_d, stride_o, P,
 
 @triton.jit
 def _row_kernel(D, OUT, N, NP, k, offset, stride_d, stride_o, high, SHIFT: tl.constexpr, VMAX: tl.constexpr,
-                NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+                NB2: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = 0):
     """Rows of one chunk, one program each: the exact k-th smallest from the row itself (a histogram of the top 6
     bits, then one of the low bits in the bin that holds it), then emit. One launch, which is what an eager decode
     step pays for (~40 µs of Python per launch), no scratch, and no sample: with one program per row every step is
     on the critical path, and a sampled window would add one. On the H100 (CUDA-graph replay) it is faster than
     the first design's three passes through scratch on rows of 4K-16K values (SmolLM2 at 4K and 8K, 32 rows of
     16K)."""
+    wait_for_prior(PDL)
     r = tl.program_id(0).to(tl.int64)
     Dr = D + r * stride_d
     thr, c_lt, c_eq = _row_kth(Dr, N, NP, k, SHIFT, VMAX, NB2, TILE)
@@ -481,7 +485,8 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     pl = plan(n, rows, values.device, chunk=_chunk, tile=_tile)
     npad = readable(x)
     sh, nb2, vmax = shift(bits), fine_bins(bits), (1 << bits) - 1
-    common = dict(VMAX=vmax, CHUNK=pl["chunk"], TILE=pl["tile"], num_warps=_num_warps or 4)
+    common = dict(VMAX=vmax, CHUNK=pl["chunk"], TILE=pl["tile"], num_warps=_num_warps or 4,
+                  **dependent_launch(values.device))
     if pl["p"] == 1:
         if first is not None:
             first(None)
@@ -495,7 +500,7 @@ def smallest_k(values: torch.Tensor, k: int, max_value: int, *, offset: int = 0,
     if first is not None:
         first(base)
     else:
-        _base_kernel[(rows,)](*base.args, **base.consts, num_warps=base.num_warps)
+        _base_kernel[(rows,)](*base.args, **base.consts, num_warps=base.num_warps, **dependent_launch(values.device))
     # the window step at 2 warps, emit at 4 (H200, padded rows of 131071, chunks of 2048: window 10.8 -> 10.6 µs on
     # 32 rows, 4.9 -> 4.2 on 8; emit at 2 warps 11.6 -> 15.0 and 4.5 -> 5.8)
     _window_kernel[grid](x, t["ph"], t["gh"], t["state"], n, npad, x.stride(0), pl["p"], WIN=win,

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import dependent_launch, wait_for_prior
 from .reference import RowBounds
 from .region import in_sparse_region
 
@@ -47,8 +48,9 @@ def _logit(S, b, row, j, ok, keep, stride_sb, stride_sh, scale, softcap, SOFTCAP
 
 @triton.jit
 def _stats_kernel(S, LENS, M, L, n, Hq, chunk, stride_sb, stride_sh, scale, softcap, span, sink, window, lo,
-                  SOFTCAP: tl.constexpr, BOUNDS: tl.constexpr, BLOCK: tl.constexpr):
+                  SOFTCAP: tl.constexpr, BOUNDS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """Per (row, query head, chunk): the max of the chunk's logits and the sum of exp(logit - max)."""
+    wait_for_prior(PDL)
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -85,10 +87,11 @@ def _lse(M, L, row, n_chunks, BLOCK_C: tl.constexpr):
 @triton.jit
 def _pool_kernel(S, LENS, M, L, OUT, n, H_out, n_chunks, stride_sb, stride_sh, stride_ob, stride_oh, scale, softcap,
                  span, sink, window, lo, G: tl.constexpr, SOFTCAP: tl.constexpr, BOUNDS: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+                 BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0):
     """out[b, kv, j] = log of the sum over the group's query heads g of exp(logit - lse_g): the log of the group's
     summed probability, by logsumexp (no underflow). Each program combines its heads' chunk statistics into lse_g
     itself (a few values each), so no launch sits between the two passes."""
+    wait_for_prior(PDL)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H_out
@@ -132,7 +135,8 @@ def pooled_log_probs(logits: torch.Tensor, group: int, scale: float, softcap: fl
     n_chunks = triton.cdiv(n, chunk)
     m = torch.empty(B * Hq * n_chunks, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
-    common = dict(SOFTCAP=bool(softcap), BOUNDS=bounds is not None, BLOCK=BLOCK, num_warps=4)
+    common = dict(SOFTCAP=bool(softcap), BOUNDS=bounds is not None, BLOCK=BLOCK, num_warps=4,
+                  **dependent_launch(logits.device))
     _stats_kernel[(n_chunks, B * Hq)](logits, lens, m, s, n, Hq, chunk, logits.stride(0), logits.stride(1), scale,
                                       float(softcap or 0.0), *region, **common)
     _pool_kernel[(triton.cdiv(n, BLOCK), B * H_out)](logits, lens, m, s, out, n, H_out, n_chunks, logits.stride(0),

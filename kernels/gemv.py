@@ -21,12 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import dependent_launch, wait_for_prior
+
 MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile); more rows: a GEMM's job (the caller's)
 
 
 @triton.jit
 def _gemv_kernel(X, W, BIAS, Y, N, K, stride_xb, stride_wn, stride_yb, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     r = tl.arange(0, 16)
@@ -75,5 +78,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bn, bk, stages = plan(N, K)
         _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, bias if bias is not None else weight, y, N, K, x2.stride(0),
                                            weight.stride(0), y.stride(0), ROWS=rows, HAS_BIAS=bias is not None,
-                                           BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=4)
+                                           BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=4,
+                                           **dependent_launch(x.device, early=True))
     return y.view(*lead, N)

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import num_sms
+from .device import dependent_launch, num_sms, wait_for_prior
 from .reference import PendingHash, _mlp_hash_shapes, check_margin, check_pending
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,7 +64,8 @@ def _mlp_hash_kernel(X, W1, B1, W2, OUT, START, SCR, CNT, n, G, B, start, margin
                      PREC1: tl.constexpr, PREC2: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROW_START: tl.constexpr, LINEAR: tl.constexpr, SPLIT: tl.constexpr,
-                     WITH_KEYS: tl.constexpr = False, CARE: tl.constexpr = False):
+                     WITH_KEYS: tl.constexpr = False, CARE: tl.constexpr = False, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     pid_m = tl.program_id(0)
     kv = tl.program_id(1)
     # rows flattened (b, g, i): batch row b, query head kv·G + g, position i; a KV head's rows of every batch row
@@ -281,7 +282,7 @@ def mlp_hash_pack_into(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
         ROW_START=row_start, LINEAR=linear, SPLIT=bool(split), WITH_KEYS=append is not None,
         CARE=margin is not None,
-        num_warps=num_warps or (8 if BLOCK_M >= 64 else 4),
+        num_warps=num_warps or (8 if BLOCK_M >= 64 else 4), **dependent_launch(x.device),
     )
 
 

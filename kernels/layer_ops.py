@@ -18,10 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import dependent_launch, wait_for_prior
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, H_OUT, n, eps, stride_x, stride_r, stride_o, stride_h,
-                     RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < n
@@ -47,7 +50,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = torch.empty_like(x2) if residual is not None else x2
     r2 = residual.reshape(-1, n) if residual is not None else x2
     _rms_norm_kernel[(rows,)](x2, r2, weight, out, h, n, eps, x2.stride(0), r2.stride(0), out.stride(0), h.stride(0),
-                              RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4)
+                              RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4,
+                              **dependent_launch(x.device))
     return out.view(x.shape), h.view(x.shape)
 
 
@@ -68,7 +72,8 @@ def _rope_row(X, COS, SIN, b, stride_cb, R: tl.constexpr, D: tl.constexpr, BLOCK
 
 @triton.jit
 def _rope_kernel(X, COS, SIN, OUT, H, stride_xb, stride_xh, stride_cb, stride_ob, stride_oh,
-                 R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+                 R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -81,9 +86,11 @@ def _rope_kernel(X, COS, SIN, OUT, H, stride_xb, stride_xh, stride_cb, stride_ob
 def _rope_write_kernel(Q, K, V, COS, SIN, QO, KO, KB, VB, SLOT, Hq, Hkv,
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, stride_cb, s_qob, s_qoh, s_kob, s_koh,
                        s_cb, s_ch, s_cn, s_db, s_dh, s_dn,
-                       R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+                       R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = 0):
     """Programs [0, B·Hq): a query row rotated; the next B·Hkv: a key row rotated, stored, and written with its value
     row into the cache at the row's slot."""
+    wait_for_prior(PDL)
     i = tl.program_id(0)
     nq = tl.num_programs(0) // (Hq + Hkv) * Hq  # B·Hq
     c = tl.arange(0, BLOCK)
@@ -113,7 +120,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos2, sin2 = cos.reshape(B, R), sin.reshape(B, R)
     out = torch.empty(B, H, 1, D, dtype=x.dtype, device=x.device)
     _rope_kernel[(B * H,)](x, cos2, sin2, out, H, x.stride(0), x.stride(1), cos2.stride(0), out.stride(0),
-                           out.stride(1), R=R, D=D, BLOCK=triton.next_power_of_2(D), num_warps=1)
+                           out.stride(1), R=R, D=D, BLOCK=triton.next_power_of_2(D), num_warps=1,
+                           **dependent_launch(x.device))
     return out
 
 
@@ -136,12 +144,13 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         q, k, v, cos2, sin2, qo, ko, keys, values, slot, Hq, Hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), cos2.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        R=R, D=D, DV=DV, BLOCK=triton.next_power_of_2(max(D, DV)), num_warps=1)
+        R=R, D=D, DV=DV, BLOCK=triton.next_power_of_2(max(D, DV)), num_warps=1, **dependent_launch(q.device))
     return qo, ko
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, OUT, n, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, OUT, n, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     r = tl.program_id(1).to(tl.int64)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
@@ -167,14 +176,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return out
     BLOCK = 1024
     _silu_mul_kernel[(triton.cdiv(n, BLOCK), rows)](g, u, out, n, g.stride(0), u.stride(0), BLOCK=BLOCK,
-                                                    num_warps=4)
+                                                    num_warps=4, **dependent_launch(gate.device))
     return out
 
 
 @triton.jit
 def _write_kv_kernel(K, V, KB, VB, SLOT, H, stride_kb, stride_kh, stride_vb, stride_vh,
                      stride_cb, stride_ch, stride_cn, stride_db, stride_dh, stride_dn,
-                     D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -196,4 +206,5 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, k: to
     DV = v.shape[-1]
     _write_kv_kernel[(B * H,)](k, v, keys, values, slot, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
-                               values.stride(2), D=D, DV=DV, BLOCK=triton.next_power_of_2(max(D, DV)), num_warps=1)
+                               values.stride(2), D=D, DV=DV, BLOCK=triton.next_power_of_2(max(D, DV)), num_warps=1,
+                               **dependent_launch(k.device))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import max_shared_mem, num_sms
+from .device import dependent_launch, max_shared_mem, num_sms, wait_for_prior
 from .reference import PageRegion
 from .region import window_first
 
@@ -51,9 +51,10 @@ def _page_scores_kernel(Q, BND, OUT, n_pages, Hkv,
                         D: tl.constexpr, G: tl.constexpr, POOL_MAX: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, REGION: tl.constexpr,
                         SKIP_LAST: tl.constexpr, STAGES: tl.constexpr, BLOCK_G: tl.constexpr,
-                        F32: tl.constexpr):
+                        F32: tl.constexpr, PDL: tl.constexpr = 0):
     """The pages of one (batch row, KV head) split over the grid's first axis: each program reads every
     num_programs(0)-th tile of BLOCK_P pages, STAGES tiles in flight."""
+    wait_for_prior(PDL)
     b = tl.program_id(1) // Hkv
     kv = tl.program_id(1) % Hkv
     if REGION:  # pages this row may not choose score -inf; its length read on the device
@@ -141,7 +142,7 @@ def page_scores(q: torch.Tensor, bounds: torch.Tensor, n_pages: int, pool: str |
         *_region_args(region, B, q.device),
         D=D, G=G, POOL_MAX=pool == "max", BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, REGION=region is not None,
         SKIP_LAST=region is not None and region.skip_last, STAGES=stages, BLOCK_G=max(16, triton.next_power_of_2(G)),
-        F32=bounds.dtype == torch.float32 or q.dtype != bounds.dtype, num_warps=num_warps,
+        F32=bounds.dtype == torch.float32 or q.dtype != bounds.dtype, num_warps=num_warps, **dependent_launch(q.device),
     )
     return out
 
@@ -169,7 +170,8 @@ def _region_args(region: PageRegion | None, batch: int, device: torch.device) ->
 
 @triton.jit
 def _blocks_kernel(SC, PICK, OUT, LENS, stride_l, H, k, p_lo, S, stride_sb, stride_sh, stride_pb, stride_ph,
-                   stride_ob, stride_oh, SKIP_LAST: tl.constexpr, BLOCK_K: tl.constexpr):
+                   stride_ob, stride_oh, SKIP_LAST: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -199,13 +201,14 @@ def page_blocks(scores: torch.Tensor, pick: torch.Tensor, region: PageRegion) ->
     _blocks_kernel[(B * H,)](
         scores, pick, out, L, stride_l, H, k, region.p_lo, region.page_size, scores.stride(0), scores.stride(1),
         pick.stride(0), pick.stride(1), out.stride(0), out.stride(1), SKIP_LAST=region.skip_last,
-        BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=4)
+        BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=4, **dependent_launch(scores.device))
     return out
 
 
 @triton.jit
 def _append_kernel(K, BND, SLOT, slot, Hkv, stride_kb, stride_kh, stride_bb, stride_bh, stride_bp, S,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROW_SLOT: tl.constexpr):
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROW_SLOT: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     bh = tl.program_id(0)
     b = bh // Hkv
     kv = bh % Hkv
@@ -237,4 +240,4 @@ def append_one(bounds: torch.Tensor, k: torch.Tensor, pos: int | torch.Tensor, p
     _append_kernel[(B * Hkv,)](
         k, bounds, pos if row_slot else bounds, 0 if row_slot else pos, Hkv, k.stride(0), k.stride(1),
         bounds.stride(0), bounds.stride(1), bounds.stride(2), page_size, D=D,
-        BLOCK_D=triton.next_power_of_2(D), ROW_SLOT=row_slot, num_warps=1)
+        BLOCK_D=triton.next_power_of_2(D), ROW_SLOT=row_slot, num_warps=1, **dependent_launch(k.device))

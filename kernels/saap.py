@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import dependent_launch, wait_for_prior
 from .reference import PendingAppend, RowBounds, mix_factors
 from .region import window_first
 
@@ -100,7 +101,9 @@ def _append_block(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, bh, blk, blocks, C, H
 @triton.jit
 def _append_kernel(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, C, Hkv, sink, window,
                    s_kb, s_kh, s_ch, s_cc, s_bb, s_bh, s_nb, s_nh,
-                   D: tl.constexpr, DP: tl.constexpr, BLOCK_C: tl.constexpr, NEWEST: tl.constexpr):
+                   D: tl.constexpr, DP: tl.constexpr, BLOCK_C: tl.constexpr, NEWEST: tl.constexpr,
+                   PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     _append_block(K, CENT, BKT, ORD, CNT, POS, BEST, DONE, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
                   C, Hkv, sink, window, s_kb, s_kh, s_ch, s_cc, s_bb, s_bh, s_nb, s_nh,
                   D=D, DP=DP, BLOCK_C=BLOCK_C, NEWEST=NEWEST)
@@ -146,7 +149,7 @@ def saap_append(buckets: torch.Tensor, ordinals: torch.Tensor, counts: torch.Ten
     `block_c`: centroids per program (default: 8192 codes' worth)."""
     args, const, rows, blocks = _append_launch(
         PendingAppend(buckets, ordinals, counts, k, pos, sink, window, newest_first), centroids, block_c)
-    _append_kernel[(rows, blocks)](*args, **const, num_warps=4)
+    _append_kernel[(rows, blocks)](*args, **const, num_warps=4, **dependent_launch(k.device))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -163,7 +166,9 @@ def _rows(s_xb, s_xh, kv, G, n_rows, RB: tl.constexpr):
 
 @triton.jit
 def _hidden_kernel(X, W1, B1, H, n_rows, G, M, s_xb, s_xh, s_hb, s_hh,
-                   D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+                   D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+                   PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     kv = tl.program_id(1)
     x_off, r_ok = _rows(s_xb, s_xh, kv, G, n_rows, RB)
     h_off, _ = _rows(s_hb, s_hh, kv, G, n_rows, RB)
@@ -199,7 +204,8 @@ def _logits_kernel(A, W, BIAS, OUT, n_rows, G, C, K, s_ab, s_ah, s_wh, s_wk, s_w
                    as_kb, as_kh, as_ch, as_cc, as_bb, as_bh, as_nb, as_nh, a_rows, a_blocks,
                    RB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    PREC: tl.constexpr, CENTROIDS_TOO: tl.constexpr, APPEND: tl.constexpr, AD: tl.constexpr,
-                   ADP: tl.constexpr, ABLOCK_C: tl.constexpr, ANEWEST: tl.constexpr):
+                   ADP: tl.constexpr, ABLOCK_C: tl.constexpr, ANEWEST: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     c_blocks = tl.cdiv(C, BLOCK_C)
     if APPEND and tl.program_id(0) >= c_blocks:  # the programs past the logits' own carry out the append
         lin = ((tl.program_id(0) - c_blocks) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) \
@@ -267,7 +273,7 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
         h = torch.empty(B, Hq, M, dtype=w1.dtype, device=x.device)
         _hidden_kernel[(triton.cdiv(M, block_m), Hkv, rows)](
             x, w1, b1, h, n_rows, G, M, x.stride(0), x.stride(1), h.stride(0), h.stride(1),
-            D=D, DP=DP, RB=RB, BLOCK_M=block_m, PREC=prec, num_warps=num_warps)
+            D=D, DP=DP, RB=RB, BLOCK_M=block_m, PREC=prec, num_warps=num_warps, **dependent_launch(x.device))
         a, w, bias, K, w_strides = h, w2, b2, M, (M * C, C, 1)
     extra = 0
     if append is not None:
@@ -284,7 +290,7 @@ def bucket_logits(x: torch.Tensor, centroids: torch.Tensor, model: tuple | None 
         x, cent, out2, D, x.stride(0), x.stride(1),
         *app_args, RB=RB, BLOCK_C=block_c, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(K))),
         HAS_BIAS=model is not None, PREC=prec, CENTROIDS_TOO=centroids_too, APPEND=append is not None, **app_const,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **dependent_launch(x.device))
     return (out, out2) if centroids_too else out
 
 
@@ -368,7 +374,9 @@ def _mixed_best(score, score2, scratch, fq, fc, C, LOG_C: tl.constexpr, CP: tl.c
 def _bases_kernel(S, S2, SCRATCH, CNT, BASES, OUT, COUNT, C, G, Hs, sel_per_kv, probes, cap, fq, fc,
                   s_sb, s_sh, s_nb, s_nh, s_bb, s_bh, s_ob, s_oh,
                   GP: tl.constexpr, CP: tl.constexpr, LOG_C: tl.constexpr, KP: tl.constexpr, SOFTMAX: tl.constexpr,
-                  MIX: tl.constexpr, NEWEST: tl.constexpr, FILL: tl.constexpr, FILL_BLOCK: tl.constexpr):
+                  MIX: tl.constexpr, NEWEST: tl.constexpr, FILL: tl.constexpr, FILL_BLOCK: tl.constexpr,
+                  PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     bh = tl.program_id(0)
     b = bh // Hs
     hs = bh % Hs
@@ -433,7 +441,7 @@ def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group:
         o.stride(0), o.stride(1),
         GP=triton.next_power_of_2(group), CP=CP, LOG_C=log_c,
         KP=min(CP, max(2, triton.next_power_of_2(probes))), SOFTMAX=softmax, MIX=mix, NEWEST=newest_first,
-        FILL=fill, FILL_BLOCK=1024, num_warps=num_warps)
+        FILL=fill, FILL_BLOCK=1024, num_warps=num_warps, **dependent_launch(scores.device))
     return bases
 
 
@@ -445,7 +453,8 @@ def bucket_bases(scores: torch.Tensor, counts: torch.Tensor, probes: int, group:
 def _bucket_gather_kernel(BKT, ORD, BASE, OUT, COUNT, LENS,
                           s_kb, s_kh, s_bb, s_bh, s_ob, s_oh,
                           n_sel_heads, sel_per_kv, lo, hi, cap, chunk, span, sink, window,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // n_sel_heads
@@ -499,7 +508,7 @@ def bucket_gather(buckets: torch.Tensor, ordinals: torch.Tensor, bases: torch.Te
             buckets, ordinals, bases, out, count, lens,
             buckets.stride(0), buckets.stride(1), bases.stride(0), bases.stride(1), out.stride(0), out.stride(1),
             Hs, Hs // Hkv, lo, hi, cap, chunk, *b_args, ROWS=bounds is not None, BLOCK=min(block, chunk),
-            num_warps=num_warps)
+            num_warps=num_warps, **dependent_launch(bases.device))
     return out, count.view(())
 
 

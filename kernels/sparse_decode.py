@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import max_shared_mem, num_sms
+from .device import dependent_launch, max_shared_mem, num_sms, wait_for_prior
 from .reference import check_positions, decode_positions, selection_heads
 from .region import window_first
 
@@ -36,11 +36,13 @@ def _partial_kernel(
     scale, n_sel_heads, G, group_rows, sink, n_sparse, window, chunk, n_cols, span, softcap, host_len,
     MODE: tl.constexpr, PREC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     LOGITS: tl.constexpr = False, SOFTCAP: tl.constexpr = False, HOST_LEN: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """One chunk of slots for one selection head: its online-softmax partial state, or with LOGITS the scaled
     q·k of every slot (S_out [B, Hq, n_cols], -inf where a slot names no key) and no values read.
     A layer with a sliding window (span > 0) sees keys [length - span, length) only: dense slots start there.
     SOFTCAP: logits s become softcap * tanh(s / softcap) (Gemma-2)."""
+    wait_for_prior(PDL)
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // n_sel_heads
@@ -123,7 +125,8 @@ def _partial_kernel(
 
 @triton.jit
 def _merge_kernel(M_in, L_in, ACC_in, OUT, stride_ob, stride_oh, Hq, n_chunks,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     r = tl.program_id(0)  # one (batch, query head) row
     b = r // Hq
     h = r % Hq
@@ -275,13 +278,14 @@ def _launch(q, keys, values, scale, lengths, indices, sink, window, span, dense,
         lengths if host_len else 0,
         MODE=mode, PREC="ieee" if q.dtype == torch.float32 else "tf32", D=D, BLOCK_D=BLOCK_D, BLOCK_G=BLOCK_G,
         BLOCK_N=BLOCK_N, LOGITS=logits, SOFTCAP=bool(softcap) and not logits, HOST_LEN=host_len, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **dependent_launch(q.device),
     )
     if logits:
         return s_out
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     _merge_kernel[(B * Hq,)](m, l, acc, out, out.stride(0), out.stride(1), Hq, n_chunks,
-                             D=D, BLOCK_D=BLOCK_D, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=4)
+                             D=D, BLOCK_D=BLOCK_D, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=4,
+                             **dependent_launch(q.device))
     return out
 
 
@@ -295,7 +299,8 @@ def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, leng
 @triton.jit
 def _block_positions_kernel(BLK, OUT, COUNT, LENS, stride_l, length, H, nb, span, sink, window, per_head,
                             stride_bb, stride_bh, stride_ob, stride_oh, S: tl.constexpr, BLOCK: tl.constexpr,
-                            ROW_LENGTHS: tl.constexpr):
+                            ROW_LENGTHS: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -340,5 +345,6 @@ def block_positions(blocks: torch.Tensor, block_size: int, lengths: int | torch.
     _block_positions_kernel[grid](
         blocks, out, count, lengths if rows else out, lengths.stride(0) if rows and lengths.shape[0] > 1 else 0,
         0 if rows else lengths, H, nb, span, sink, window, 1.0 / (B * H), blocks.stride(0), blocks.stride(1),
-        out.stride(0), out.stride(1), S=block_size, BLOCK=BLOCK, ROW_LENGTHS=rows, num_warps=4)
+        out.stride(0), out.stride(1), S=block_size, BLOCK=BLOCK, ROW_LENGTHS=rows, num_warps=4,
+        **dependent_launch(blocks.device))
     return out, count

@@ -3,8 +3,9 @@
 Every method decodes a few tokens of the tiny model on the kernel path under the interpreter (the replayed step's
 device-side paths included), a prompt is prefilled in chunks, and the counting select runs with several chunks (the
 path of long rows); each distinct launch is then compiled for sm_90 (tests/cuda_compile.py), and so are the
-variants only a GPU launches (`gpu_paths`: inline PTX, paired reductions, int64 code lanes). The interpreter accepts
-code the CUDA compiler refuses; this catches that class of error where CI has no GPU.
+variants only a GPU launches (`gpu_paths`: inline PTX, paired reductions, int64 code lanes; and each kernel as a
+programmatic dependent launch). The interpreter accepts code the CUDA compiler refuses; this catches that class of
+error where CI has no GPU.
 """
 
 import functools
@@ -97,5 +98,12 @@ def test_decode_kernels_compile_for_cuda(tiny, prompt_ids, monkeypatch):
     assert EXPECTED <= launched, f"the workload no longer launches {sorted(EXPECTED - launched)}"
     todo = list(specs.values()) + [v for s in specs.values() for v in gpu_paths(s)]
     assert len(todo) > len(specs)  # the GPU-only paths are among them
+    # each kernel once more as a programmatic dependent launch (kernels/device.py: griddepcontrol on sm_90)
+    first = {}
+    for s in specs.values():
+        first.setdefault(s["name"], s)
+    dependent = [{**s, "consts": {**s["consts"], "PDL": 1}} for s in first.values() if "PDL" in s["consts"]]
+    assert {s["name"] for s in dependent} >= EXPECTED - {"_prefill_kernel"}
+    todo += dependent
     errors = compile_for_cuda(todo)
     assert not errors, "\n".join(errors)

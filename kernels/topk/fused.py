@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import dependent_launch, wait_for_prior
 from .launch import DTYPE_KEY_BITS, DTYPE_NAN_EXP, cached_scratch, scatter_offsets
 from .plan import CAP_MAX, Plan, loop_rule, next_pow2
 
@@ -469,7 +470,8 @@ def _topk_kernel(X, OUT, CK, CI, CNT, BOUND, ARRIVE, DONE, N, k, stride_x, strid
                  S: tl.constexpr, PP: tl.constexpr, TILE: tl.constexpr, HAS_BOUND: tl.constexpr,
                  OFF: tl.constexpr, UMAX: tl.constexpr, MASKED: tl.constexpr, FLIP: tl.constexpr,
                  PAIR: tl.constexpr, EVEN: tl.constexpr, TILE_PAIRS: tl.constexpr,
-                 WIN: tl.constexpr, CAP2: tl.constexpr, RESTREAM: tl.constexpr):
+                 WIN: tl.constexpr, CAP2: tl.constexpr, RESTREAM: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_prior(PDL)
     q = tl.program_id(0)
     r = q // P
     p = q - r * P
@@ -579,4 +581,5 @@ def fused_topk(x: torch.Tensor, k: int, o: torch.Tensor, plan: Plan, config) -> 
         CAP=cap, S=plan.s, PP=pp, TILE=tile, HAS_BOUND=plan.has_bound,
         OFF=(1 << 31) if bits == 32 else 0, UMAX=(1 << bits) - 1, MASKED=_I32_MIN if bits == 32 else 0,
         FLIP=_I32_MIN if bits == 32 else 0, PAIR=x.is_cuda if config.pair is None else config.pair, EVEN=n % chunk == 0,
-        TILE_PAIRS=pairs, WIN=win, CAP2=cap2, RESTREAM=restream, num_warps=warps, **extra)
+        TILE_PAIRS=pairs, WIN=win, CAP2=cap2, RESTREAM=restream, num_warps=warps, **extra,
+        **dependent_launch(x.device))
