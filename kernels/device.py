@@ -1,5 +1,5 @@
 """Device facts the kernels' launch plans read, cached per device (plans run at every decode step and layer), and the
-programmatic dependent launch every decode-step kernel starts with."""
+programmatic dependent launch of the decode step's kernels."""
 
 from __future__ import annotations
 
