@@ -89,7 +89,7 @@ class Selection:
         """(0-dim tensor, scale) whose product is n_selected where the count lives on the device, else None (known
         on the host): the decode loop adds it to its statistics every layer and step (`add_(total, alpha=scale)`,
         one launch), and a sync there would stall the launch queue."""
-        if self.dense or not self.has_sparse or (self.indices is not None and not self.padded):
+        if not self.counts_on_device():
             return None
         if self.count is not None:
             return self.count, 1.0 / (self.indices.shape[0] * self.indices.shape[1])  # it comes with indices
